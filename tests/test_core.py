@@ -1,0 +1,117 @@
+"""Unit tests of the math every script shares: advantages, loss aggregation, chunked log-probs/entropy."""
+import pytest
+import torch
+
+import grpo_vanilla as gv
+
+
+def test_group_advantages_normalise_within_groups():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
+    adv = gv.group_advantages(rewards)
+    assert torch.allclose(adv.mean(dim=1), torch.zeros(3), atol=1e-6)
+    assert torch.allclose(adv[0], torch.tensor([1.0, -1.0, -1.0, 1.0]) / (rewards[0].std() + 1e-6) * 0.5)
+    assert torch.equal(adv[1], torch.zeros(4))  # all-equal group: no signal
+    assert adv[2, 3] < 0 < adv[2, 0]
+    dr = gv.group_advantages(rewards, scale=False)  # Dr. GRPO: centred only
+    assert torch.allclose(dr[2], torch.tensor([0.25, 0.25, 0.25, -0.75]))
+
+
+def test_token_weights_match_each_aggregation_definition():
+    lengths = torch.tensor([2, 3, 5])
+    loss = torch.arange(10, dtype=torch.float32)
+    per_seq = loss.split(lengths.tolist())
+    w = gv.token_weights(lengths, "token-mean", 10, 3, 8)
+    assert torch.isclose((w * loss).sum(), loss.mean())
+    w = gv.token_weights(lengths, "seq-mean-token-mean", 10, 3, 8)
+    assert torch.isclose((w * loss).sum(), torch.stack([s.mean() for s in per_seq]).mean())
+    w = gv.token_weights(lengths, "seq-mean-token-sum-norm", 10, 3, 8)
+    assert torch.isclose((w * loss).sum(), torch.stack([s.sum() / 8 for s in per_seq]).mean())
+    with pytest.raises(ValueError):
+        gv.token_weights(lengths, "sum", 10, 3, 8)
+
+
+def test_token_weights_split_over_ranks_sum_to_global_mean():
+    """Two 'ranks' with half the sequences each, normalised by global totals, give the global token mean."""
+    lengths = torch.tensor([4, 1, 3, 6])
+    loss = torch.randn(14)
+    half = int(lengths[:2].sum())
+    total = sum((gv.token_weights(ls, "token-mean", 14, 4, 8) * lo).sum()
+                for ls, lo in ((lengths[:2], loss[:half]), (lengths[2:], loss[half:])))
+    assert torch.isclose(total, loss.mean(), atol=1e-6)
+
+
+def test_ppo_clip_loss_clips_in_the_direction_of_the_advantage():
+    old = torch.zeros(4)
+    logp = torch.log(torch.tensor([1.5, 0.5, 1.5, 0.5]))
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    loss, clipped = gv.ppo_clip_loss(logp, old, adv, 0.2, 0.28)
+    assert torch.allclose(loss, torch.tensor([-1.28, -0.5, 1.5, 0.8]))
+    assert clipped.tolist() == [True, False, False, True]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size", [1, 7, 64])
+def test_chunked_logprobs_entropy_equal_naive_values_and_gradients(temperature, chunk_size):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(23, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (23,))
+    upstream_lp, upstream_h = torch.randn(23), torch.randn(23)
+
+    logp, ent = gv.chunked_logprobs_entropy(hidden, head, targets, temperature, chunk_size)
+    ((logp * upstream_lp).sum() + (ent * upstream_h).sum()).backward()
+    grads = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+
+    log_probs = torch.log_softmax(head(hidden) / temperature, dim=-1)  # naive: full [N, V] softmax
+    naive_logp = log_probs.gather(-1, targets[:, None]).squeeze(-1)
+    naive_ent = -(log_probs.exp() * log_probs).sum(-1)
+    ((naive_logp * upstream_lp).sum() + (naive_ent * upstream_h).sum()).backward()
+    assert torch.allclose(logp, naive_logp, atol=1e-5)
+    assert torch.allclose(ent, naive_ent, atol=1e-5)
+    assert torch.allclose(grads[0], hidden.grad, atol=1e-5)
+    assert torch.allclose(grads[1], head.weight.grad, atol=1e-5)
+
+
+def test_chunked_logprobs_entropy_without_grad_and_without_entropy():
+    head = torch.nn.Linear(8, 11, bias=False)
+    hidden, targets = torch.randn(5, 8), torch.randint(0, 11, (5,))
+    with torch.no_grad():
+        logp, ent = gv.chunked_logprobs_entropy(hidden, head, targets, 1.0, 2, with_entropy=False)
+    assert torch.allclose(logp, torch.log_softmax(head(hidden), -1).gather(-1, targets[:, None]).squeeze(-1), atol=1e-6)
+    assert torch.equal(ent, torch.zeros(5))
+
+
+def test_collate_masks_response_tokens_only():
+    batch = gv.collate([[5, 6], [7]], [[8, 9, 2], [4]], 0, "cpu")
+    assert batch["input_ids"].tolist() == [[5, 6, 8, 9, 2], [7, 4, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert batch["response_mask"].tolist() == [[False, False, True, True, True], [False, True, False, False, False]]
+
+
+def test_step_prompt_indices_give_the_same_mini_batches_on_any_world_size():
+    args = gv.Args(num_prompts_per_step=8, num_mini_batches=2, seed=3)
+    one = gv.step_prompt_indices(5, args, 30, 0, 1)
+    two = [gv.step_prompt_indices(5, args, 30, r, 2) for r in range(2)]
+    # mini-batch m on one rank == the union of the two ranks' slices of mini-batch m
+    assert one[:4] == two[0][:2] + two[1][:2]
+    assert one[4:] == two[0][2:] + two[1][2:]
+    # the data order is a permutation per epoch: 30 prompts are all seen once in the first 30 positions
+    seen = [i for s in range(4) for _, i in gv.step_prompt_indices(s, args, 30, 0, 1)][:30]
+    assert sorted(seen) == list(range(30))
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("group_size", 1, "--group-size must be >= 2"),
+    ("clip_eps_low", 0.0, "--clip-eps-low must be > 0"),
+    ("max_response_length", 0, "--max-response-length must be >= 1"),
+    ("zero_stage", 1, "--zero-stage must be 2 or 3"),
+    ("num_prompts_per_step", 6, "must be divisible by --num-mini-batches x world size"),
+    ("micro_batch_size", 3, "--micro-batch-size (3) must divide"),
+])
+def test_validate_args_rejects_bad_values_with_the_flag_name(flag, value, message):
+    args = gv.Args(num_prompts_per_step=8, num_mini_batches=2, group_size=4, micro_batch_size=4)
+    gv.validate_args(args, 2)
+    setattr(args, flag, value)
+    with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
+        gv.validate_args(args, 2)
