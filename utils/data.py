@@ -1,5 +1,12 @@
 """Load math problems from the hub or local files and turn them into prompts."""
 
+import ast
+import os
+import re
+import warnings
+
+from .reward import last_boxed
+
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -10,3 +17,111 @@ def format_prompt(problem: str, tokenizer) -> str:
         messages = [{"role": "user", "content": content}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return f"Question: {content}\nAnswer:"
+
+
+QUESTION_FIELDS = ("problem", "question", "prompt")
+"""Columns tried, in order, for the problem text when no question field is named."""
+ANSWER_FIELDS = ("answer", "final_answer")
+"""Columns tried, in order, for the reference answer; failing those, the last \\boxed{} of "solution"."""
+FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+"""Local file extensions and the `datasets` builder that reads them."""
+
+
+def _read(source: str, split: str | None):
+    """A `datasets.Dataset` from a local file, a local dataset folder, or a hub id (optionally "id:config")."""
+    import datasets  # lazy: importing this module stays cheap
+
+    source = os.path.expanduser(source)
+    ext = os.path.splitext(source)[1].lower()
+    if os.path.isfile(source) and ext not in FILE_FORMATS:
+        raise ValueError(f"dataset {source!r}: unsupported file type {ext!r}; use one of {', '.join(FILE_FORMATS)}")
+    if not os.path.exists(source) and (ext in FILE_FORMATS or source.startswith((".", "/"))):
+        raise ValueError(f"dataset {source!r}: no such file")
+    if os.path.isfile(source) and os.path.getsize(source) == 0:
+        raise ValueError(f"dataset {source!r} is empty")
+    try:
+        if os.path.isfile(source):
+            return datasets.load_dataset(FILE_FORMATS[ext], data_files=source, split="train")
+        if any(os.path.isfile(os.path.join(source, f)) for f in ("state.json", "dataset_dict.json")):
+            ds = datasets.load_from_disk(source)  # a folder written by save_to_disk
+            return ds[split or "train"] if isinstance(ds, datasets.DatasetDict) else ds
+        if os.path.isdir(source):  # data files or a loading script
+            return datasets.load_dataset(source, split=split or "train")
+        name, _, config = source.partition(":")  # e.g. "openai/gsm8k:main"
+        return datasets.load_dataset(name, config or None, split=split or "train")
+    except Exception as e:
+        cause = e
+        while cause.__cause__ is not None:  # datasets wraps the useful error (e.g. a JSON parse error) in a generic one
+            cause = cause.__cause__
+        reason = (str(cause).strip().splitlines() or [""])[0]
+        raise ValueError(f"cannot read dataset {source!r}: {type(cause).__name__}: {reason}") from e
+
+
+def _pick_field(source: str, columns: list[str], kind: str, named: str | None, candidates: tuple[str, ...]) -> str | None:
+    """The column to read: the named one (which must exist) or the first candidate present (None if none is)."""
+    if named is not None and named not in columns:
+        raise ValueError(f"dataset {source!r} has no {kind} field {named!r}; columns: {', '.join(columns)}")
+    return named or next((c for c in candidates if c in columns), None)
+
+
+def normalize_answer(value) -> str:
+    """The final answer in a raw answer cell: lists joined, GSM8K "#### x" -> x, last \\boxed{} kept, outer $..$ dropped."""
+    if value is None:
+        return ""
+    if isinstance(value, float) and value.is_integer():  # AMC23 stores 27.0
+        value = int(value)
+    if isinstance(value, str) and value.strip().startswith("["):  # OlympiadBench's "['2']"
+        try:
+            parsed = ast.literal_eval(value.strip())
+            if isinstance(parsed, list) and all(isinstance(x, str) for x in parsed):
+                value = parsed  # only lists of strings: "[0, 1]" is an interval, not a list
+        except (ValueError, SyntaxError):
+            pass
+    if isinstance(value, (list, tuple)):
+        return ", ".join(a for a in map(normalize_answer, value) if a)
+    text = str(value).strip()
+    if "####" in text:  # GSM8K: worked solution, then "#### 1,000"
+        text = text.split("####")[-1].strip()
+        if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", text):
+            text = text.replace(",", "")
+    elif (boxed := last_boxed(text)) is not None:
+        text = boxed.strip()
+    if re.fullmatch(r"\$[^$]*\$", text):
+        text = text[1:-1].strip()
+    return text
+
+
+def load_problems(
+    source: str, split: str | None = None, question_field: str | None = None, answer_field: str | None = None
+) -> list[dict]:
+    """[{"problem", "answer", "index"}] from a local .jsonl/.json/.parquet/.csv, a saved dataset folder, or a hub id.
+
+    Fields are detected when not named (problem/question/prompt; answer/final_answer/last \\boxed{} of solution), and
+    answers are normalised either way (normalize_answer). `split` picks a hub or saved split (default "train"); a
+    single local file is its own split. Rows with an empty problem or answer are skipped with one warning; every
+    other problem is a one-line ValueError.
+    """
+    ds = _read(source, split)
+    columns = list(ds.column_names)
+    q_field = _pick_field(source, columns, "question", question_field, QUESTION_FIELDS)
+    if q_field is None:
+        tried = ", ".join(QUESTION_FIELDS)
+        raise ValueError(f"dataset {source!r} has no question field (tried {tried}); columns: {', '.join(columns)}")
+    a_field = _pick_field(source, columns, "answer", answer_field, ANSWER_FIELDS)
+    if a_field is not None:
+        answers = [normalize_answer(a) for a in ds[a_field]]
+    elif "solution" in columns:  # e.g. Minerva math: the answer lives only in the worked solution's \boxed{}
+        solutions = ["\n".join(s) if isinstance(s, list) else s or "" for s in ds["solution"]]
+        answers = [(last_boxed(s) or "").strip() for s in solutions]
+    else:
+        tried = ", ".join(ANSWER_FIELDS + ("solution",))
+        raise ValueError(f"dataset {source!r} has no answer field (tried {tried}); columns: {', '.join(columns)}")
+    problems = [q if isinstance(q, str) else "" for q in ds[q_field]]
+    rows = [{"problem": q, "answer": a, "index": i} for i, (q, a) in enumerate(zip(problems, answers)) if q.strip() and a]
+    if not rows:
+        fields = f"{q_field!r} and {a_field or 'solution'!r}"
+        raise ValueError(f"dataset {source!r} has no row with a non-empty {fields} ({len(problems)} rows)")
+    if len(rows) < len(problems):
+        skipped = len(problems) - len(rows)
+        warnings.warn(f"dataset {source!r}: skipped {skipped} of {len(problems)} rows with an empty problem or answer")
+    return rows

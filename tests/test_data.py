@@ -1,0 +1,132 @@
+"""utils.data.load_problems: the vendored eval sets, schema detection, answer normalisation and one-line errors."""
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from anywhere, with or without `python -m`
+
+from utils.data import load_problems, normalize_answer  # noqa: E402
+
+DATA = ROOT / "benchmarks" / "data"
+
+EXPECTED = {  # file: (rows, {index: answer} spot checks)
+    "aime24": (30, {0: "204", 1: "113"}),
+    "amc23": (40, {0: "27", 15: "-1"}),
+    "math500": (500, {0: "\\left( 3, \\frac{\\pi}{2} \\right)", 1: "p - q", 4: "\\text{Evelyn}"}),
+    "minerva_math": (272, {0: "1.6", 1: "4.5e33"}),
+    "olympiadbench": (675, {0: "2", 1: "\\frac{1}{2 n+2}", 2: "2^{1009}"}),
+    "gsm8k": (1319, {0: "18", 2: "70000"}),
+}
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+def test_vendored_sets_load(name):
+    rows, spot = EXPECTED[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no row of these sets is skipped
+        problems = load_problems(str(DATA / f"{name}.jsonl"))
+    assert len(problems) == rows
+    assert all(p["problem"].strip() and p["answer"] and "####" not in p["answer"] for p in problems)
+    assert [p["index"] for p in problems] == list(range(rows))
+    for index, answer in spot.items():
+        assert problems[index]["answer"] == answer
+
+
+def test_normalize_answer():
+    assert normalize_answer("Janet sells 9 eggs.\n#### 1,250") == "1250"
+    assert normalize_answer("#### 18") == "18"
+    assert normalize_answer("['2']") == "2"
+    assert normalize_answer("['$1$', '$2$']") == "1, 2"
+    assert normalize_answer(["$2n-2$"]) == "2n-2"
+    assert normalize_answer("[0, 1]") == "[0, 1]"  # an interval, not a list
+    assert normalize_answer(27.0) == "27" and normalize_answer(2.5) == "2.5"
+    assert normalize_answer("so \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+    assert normalize_answer("$69$,$84$") == "$69$,$84$"  # several answers: math-verify reads the $..$ as a set
+    assert normalize_answer(None) == ""
+
+
+def test_explicit_fields_jsonl_and_parquet(tmp_path):
+    rows = [{"id": 1, "q": "What is 1+1?", "sol": "1+1=2\n#### 2"}, {"id": 2, "q": "What is 2+2?", "sol": "#### 4"}]
+    path = write_jsonl(tmp_path / "x.jsonl", rows)
+    expected = [{"problem": "What is 1+1?", "answer": "2", "index": 0}, {"problem": "What is 2+2?", "answer": "4", "index": 1}]
+    assert load_problems(path, question_field="q", answer_field="sol") == expected
+    import pandas as pd
+
+    pd.DataFrame(rows).to_parquet(tmp_path / "x.parquet")
+    assert load_problems(str(tmp_path / "x.parquet"), question_field="q", answer_field="sol") == expected
+    pd.DataFrame(rows).to_csv(tmp_path / "x.csv", index=False)
+    assert load_problems(str(tmp_path / "x.csv"), question_field="q", answer_field="sol") == expected
+
+
+def test_saved_dataset_folder(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_list([{"question": "1+1?", "answer": "#### 2"}]).save_to_disk(str(tmp_path / "saved"))
+    assert load_problems(str(tmp_path / "saved")) == [{"problem": "1+1?", "answer": "2", "index": 0}]
+
+
+def test_answer_from_solution_box(tmp_path):
+    path = write_jsonl(tmp_path / "m.jsonl", [{"problem": "p", "solution": "so $x=\\boxed{\\frac{1}{2}}$."}])
+    assert load_problems(path)[0]["answer"] == "\\frac{1}{2}"
+
+
+def test_missing_field_names_it_and_the_columns(tmp_path):
+    path = write_jsonl(tmp_path / "x.jsonl", [{"id": 1, "problem": "p", "answer": "1"}])
+    with pytest.raises(ValueError, match=r"no question field 'foo'; columns: id, problem, answer$"):
+        load_problems(path, question_field="foo")
+    with pytest.raises(ValueError, match=r"no answer field 'bar'; columns: id, problem, answer$"):
+        load_problems(path, answer_field="bar")
+    path = write_jsonl(tmp_path / "y.jsonl", [{"id": 1, "text": "p", "answer": "1"}])
+    with pytest.raises(ValueError, match=r"no question field \(tried problem, question, prompt\); columns: id, text, answer"):
+        load_problems(path)
+    path = write_jsonl(tmp_path / "z.jsonl", [{"problem": "p", "label": "1"}])
+    with pytest.raises(ValueError, match=r"no answer field .*columns: problem, label"):
+        load_problems(path)
+
+
+def test_unreadable_sources(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        load_problems(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "bad.jsonl").write_text('{"problem": "p", "answer": \n')
+    with pytest.raises(ValueError, match="cannot read dataset .*bad.jsonl"):
+        load_problems(str(tmp_path / "bad.jsonl"))
+    (tmp_path / "x.txt").write_text("hello")
+    with pytest.raises(ValueError, match="unsupported file type '.txt'"):
+        load_problems(str(tmp_path / "x.txt"))
+
+
+def test_empty_dataset(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="empty.jsonl. is empty"):
+        load_problems(str(tmp_path / "empty.jsonl"))
+    path = write_jsonl(tmp_path / "blank.jsonl", [{"problem": " ", "answer": "1"}, {"problem": "p", "answer": ""}])
+    with pytest.raises(ValueError, match="no row with a non-empty 'problem' and 'answer'"):
+        load_problems(path)
+
+
+def test_rows_without_problem_or_answer_are_skipped_and_counted(tmp_path):
+    rows = [{"problem": "a", "answer": "1"}, {"problem": "", "answer": "2"}, {"problem": "c", "answer": None}]
+    rows.append({"problem": "d", "answer": "4"})
+    path = write_jsonl(tmp_path / "x.jsonl", rows)
+    with pytest.warns(UserWarning, match="skipped 2 of 4 rows"):
+        problems = load_problems(path)
+    assert [(p["problem"], p["answer"], p["index"]) for p in problems] == [("a", "1", 0), ("d", "4", 3)]
+
+
+def test_import_is_cheap():
+    """Importing utils.data must not import datasets or math-verify (scripts import it before parsing args)."""
+    import subprocess
+
+    code = "import sys, utils.data; print(any(m in sys.modules for m in ('datasets', 'math_verify', 'torch')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -1,0 +1,202 @@
+"""Math reward: the response's last \\boxed{} answer checked against the reference with math-verify, in bounded time."""
+
+import contextlib
+import functools
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+TIMEOUT_S = 1.5
+"""Wall-clock budget for grading one response (seconds); pathological answers such as 9^{9^{9^{9^9}}} use it all."""
+MAX_ANSWER_CHARS = 1000
+"""Boxed answers longer than this are graded wrong without parsing (gold answers are far shorter)."""
+WORKER_START_TIMEOUT_S = 60.0
+"""How long a non-main thread waits for its grading subprocess to start (python + math-verify import)."""
+WORKER_SLACK_S = 0.5
+"""Extra time a non-main thread gives its subprocess over TIMEOUT_S before killing it."""
+
+STATUSES = ("ok", "no_box", "timeout", "error")
+"""grade() statuses: graded (right or wrong), no \\boxed{} answer, out of time, grader exception or unparsable gold."""
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} or \\fbox{...} in text (balanced braces), or None if there is none."""
+    boxed, fbox = text.rfind("\\boxed"), text.rfind("\\fbox")
+    if max(boxed, fbox) < 0:
+        return None
+    i = boxed + len("\\boxed") if boxed > fbox else fbox + len("\\fbox")  # just past the command name
+    if text.startswith(" ", i):  # "\boxed 5" form
+        return text[i + 1 :].split("$")[0].strip() or None
+    if not text.startswith("{", i):
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j]
+    return None  # unbalanced: the response was cut off inside the box
+
+
+def has_boxed(response: str) -> bool:
+    """Whether the response gives a non-empty \\boxed{} final answer (the format the prompt asks for)."""
+    content = last_boxed(response)
+    return bool(content and content.strip())
+
+
+class GradeTimeout(BaseException):
+    """Raised by our SIGALRM handler; a BaseException so math-verify's `except Exception` cannot swallow it."""
+
+
+def _on_alarm(signum, frame):
+    raise GradeTimeout()
+
+
+@functools.cache
+def _math_verify():
+    """Import math-verify lazily (0.3-0.5 s) and silence its one-time 'timeout disabled' warning: we bound time ourselves."""
+    import math_verify
+    from math_verify import grader, parser
+
+    parser.TIMEOUT_WARNING_SHOWN = grader.TIMEOUT_WARNING_SHOWN = True
+    return math_verify
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(answer: str):
+    """Parse a reference answer once (GRPO grades many samples against the same answer)."""
+    mv = _math_verify()
+    delimited = re.search(r"(?<!\\)\$", answer) or "\\boxed" in answer  # e.g. OlympiadBench's "$69$,$84$"
+    text = answer if delimited else f"\\boxed{{{answer}}}"
+    return mv.parse(text, [mv.LatexExtractionConfig(), mv.ExprExtractionConfig()], parsing_timeout=None)
+
+
+def _verify(content: str, answer: str) -> tuple[float, str]:
+    """Grade one extracted boxed answer against the reference, without any timeout of its own."""
+    mv = _math_verify()
+    gold = _parse_gold(answer)
+    if not gold:
+        return 0.0, "error"
+    pred = mv.parse(f"\\boxed{{{content}}}", [mv.LatexExtractionConfig(), mv.ExprExtractionConfig()], parsing_timeout=None)
+    return float(mv.verify(gold, pred, timeout_seconds=None)), "ok"
+
+
+def _verify_with_alarm(content: str, answer: str, timeout: float) -> tuple[float, str]:
+    """_verify under one wall-clock budget from an interval timer (main thread only); restores any previous timer."""
+    start = time.monotonic()
+    previous_handler = signal.signal(signal.SIGALRM, _on_alarm)
+    previous_delay, previous_interval = signal.setitimer(signal.ITIMER_REAL, max(timeout, 1e-3))  # 0 would disarm
+    try:
+        try:
+            return _verify(content, answer)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)  # if the alarm fires just before this, it is one-shot: caught below
+    except GradeTimeout:
+        return 0.0, "timeout"
+    except Exception:
+        return 0.0, "error"
+    finally:
+        signal.signal(signal.SIGALRM, previous_handler if previous_handler is not None else signal.SIG_DFL)
+        if previous_delay > 0:  # someone else's timer was running: re-arm it with what is left of it
+            left = max(previous_delay - (time.monotonic() - start), 1e-3)
+            signal.setitimer(signal.ITIMER_REAL, left, previous_interval)
+
+
+_local = threading.local()
+
+
+def _verify_in_worker(content: str, answer: str, timeout: float) -> tuple[float, str]:
+    """Outside the main thread signals are unavailable: grade in this thread's own subprocess, killed if it overruns."""
+    worker = getattr(_local, "worker", None)
+    try:
+        if worker is None:
+            worker = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--worker"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            )
+            _local.worker = worker
+            weakref.finalize(threading.current_thread(), _stop, worker)  # ends with its thread, or at exit
+            if not _readline(worker, WORKER_START_TIMEOUT_S):  # the worker says "ready" once math-verify is imported
+                raise TimeoutError("grading worker did not start")
+        worker.stdin.write(json.dumps([content, answer, timeout]) + "\n")
+        line = _readline(worker, timeout + WORKER_SLACK_S)
+        if line is None:
+            raise TimeoutError("grading worker overran its budget")
+        reward, status = json.loads(line)
+        return float(reward), status
+    except Exception as e:
+        if worker is not None:
+            _stop(worker)
+            _local.worker = None
+        return 0.0, "timeout" if isinstance(e, TimeoutError) else "error"
+
+
+def _stop(proc: subprocess.Popen):
+    """Kill a grading subprocess and close its pipes."""
+    proc.kill()
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        with contextlib.suppress(OSError):
+            pipe.close()
+
+
+def _readline(proc: subprocess.Popen, timeout: float) -> str | None:
+    """One line from proc's stdout, or None if none comes within timeout or the process died."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else ""
+    return line or None
+
+
+def _worker_main():
+    """Subprocess loop: read [content, answer, timeout] JSON lines, answer [reward, status]; exits when stdin closes."""
+    out, sys.stdout = sys.stdout, sys.stderr  # stray prints from libraries must not corrupt the protocol
+    _math_verify()
+    print("ready", file=out, flush=True)
+    for line in sys.stdin:
+        content, answer, timeout = json.loads(line)
+        print(json.dumps(_verify_with_alarm(content, answer, timeout)), file=out, flush=True)
+
+
+def grade(response: str, answer: str, timeout: float = TIMEOUT_S) -> tuple[float, str]:
+    """(reward, status): 1.0 if the last \\boxed{} answer equals `answer` per math-verify; status in STATUSES. Never raises.
+
+    In the main thread a SIGALRM interval timer bounds the time; in other threads a per-thread subprocess does the
+    grading and is killed if it overruns (its first call also waits for it to start, about half a second).
+    """
+    try:
+        content = last_boxed(response)
+        if content is None or not content.strip():
+            return 0.0, "no_box"
+        if len(content) > MAX_ANSWER_CHARS:
+            return 0.0, "ok"
+        if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+            return _verify_with_alarm(content, str(answer), timeout)
+        return _verify_in_worker(content, str(answer), timeout)
+    except Exception:
+        return 0.0, "error"
+
+
+def math_reward(response: str, answer: str, timeout: float = TIMEOUT_S) -> float:
+    """1.0 if the response's last \\boxed{} answer is mathematically equal to `answer`, else 0.0. Never raises."""
+    return grade(response, answer, timeout)[0]
+
+
+def batch_grade(responses: list[str], answers: list[str], timeout: float = TIMEOUT_S) -> tuple[list[float], list[str]]:
+    """Rewards and statuses for paired responses and answers (count statuses for format rate and grader failures)."""
+    results = [grade(r, a, timeout) for r, a in zip(responses, answers, strict=True)]
+    return [r for r, _ in results], [s for _, s in results]
+
+
+def batch_math_reward(responses: list[str], answers: list[str], timeout: float = TIMEOUT_S) -> list[float]:
+    """math_reward for paired lists of responses and answers."""
+    return batch_grade(responses, answers, timeout)[0]
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    _worker_main()
