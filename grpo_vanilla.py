@@ -323,6 +323,7 @@ def make_vllm_engine(args: Args, rank: int, on_gpu: bool):
         tensor_parallel_size=1,
         seed=args.seed + rank,
         enable_prefix_caching=True,
+        enforce_eager=not on_gpu,  # on CPU, graph compilation costs more start-up than it saves
         enable_sleep_mode=on_gpu and args.vllm_sleep_level > 0,
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
     )
@@ -728,4 +729,6 @@ if __name__ == "__main__":
     if rank == 0 and args.track:
         wandb.finish()
     dist.barrier()
-    dist.destroy_process_group()
+    del llm  # vLLM tears down its own process groups first
+    if dist.is_initialized():
+        dist.destroy_process_group()

