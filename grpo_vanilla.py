@@ -324,6 +324,7 @@ def make_vllm_engine(args: Args, rank: int, on_gpu: bool):
         seed=args.seed + rank,
         enable_prefix_caching=True,
         enforce_eager=not on_gpu,  # on CPU, graph compilation costs more start-up than it saves
+        enable_chunked_prefill=on_gpu,  # vLLM-CPU fails to rewind a seeded sampler after a partial prefill
         enable_sleep_mode=on_gpu and args.vllm_sleep_level > 0,
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
     )
@@ -592,8 +593,6 @@ if __name__ == "__main__":
         answers = [train_data[i][1] for _, i in picked]
         # one seed per (step, prompt position), spaced by G since vLLM seeds sample k with seed + k
         seeds = [args.seed * 10**9 + (step * args.num_prompts_per_step + j) * G for j, _ in picked]
-        if sleeping:
-            llm.wake_up(tags=["kv_cache"])
         samples = generate(args, llm, engine, tokenizer, prompts, seeds, G, False, device)
         if sleeping:
             llm.sleep(level=args.vllm_sleep_level)
@@ -652,7 +651,7 @@ if __name__ == "__main__":
                         stats["loss"] += loss.item()
                         stats["clipped"] += (clipped.float() * weights).sum().item()
                         stats["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * weights).sum().item()
-                stats["grad_norm"] += engine.get_global_grad_norm() / updates_per_step / world_size
+                stats["grad_norm"] += float(engine.get_global_grad_norm()) / updates_per_step / world_size
         training_time = time.time() - t0
 
         t0 = time.time()
@@ -661,7 +660,7 @@ if __name__ == "__main__":
                 llm.wake_up(tags=["weights"])
             push_weights(engine, llm, args.zero_stage)
             if sleeping:
-                llm.sleep(level=args.vllm_sleep_level)
+                llm.wake_up(tags=["kv_cache"])  # awake for evaluation and the next rollouts
         push_time = time.time() - t0
 
         # ---- metrics: sums over ranks, then means ----
