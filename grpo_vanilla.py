@@ -1,4 +1,5 @@
 # GRPO with a colocated vLLM engine per rank and DeepSpeed training; docs: README.md
+import importlib
 import json
 import math
 import os
@@ -231,15 +232,21 @@ def _logprob_entropy_chunk(lm_head, hidden, targets, temperature: float, with_en
     return logp, entropy
 
 
-def chunked_logprobs_entropy(hidden, lm_head, targets, temperature: float, chunk_size: int, with_entropy: bool = True):
+def chunked_logprobs_entropy(
+    hidden, lm_head, targets, temperature: float, chunk_size: int, with_entropy: bool = True, num_chunks: Optional[int] = None
+):
     """Log-prob of each target token and the full-vocabulary entropy, from final hidden states [N, H].
 
     The [N, vocab] logits are never built: rows go through the head `chunk_size` at a time, and under autograd
     each chunk is recomputed in the backward pass, so peak memory is bounded by one chunk's logits.
+    `num_chunks` fixes the number of head calls instead (chunks then hold at most `chunk_size` rows if
+    N <= num_chunks * chunk_size): ZeRO-3 gathers the head's weight on every call, so all ranks must call it
+    equally often whatever their token counts.
     """
     logps, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk_size):
-        chunk = (lm_head, hidden[start : start + chunk_size], targets[start : start + chunk_size], temperature, with_entropy)
+    n = num_chunks or max(1, math.ceil(hidden.shape[0] / chunk_size))
+    for h, y in zip(hidden.tensor_split(n), targets.tensor_split(n)):
+        chunk = (lm_head, h, y, temperature, with_entropy)
         if torch.is_grad_enabled():
             logp, entropy = checkpoint(_logprob_entropy_chunk, *chunk, use_reentrant=False)
         else:
@@ -249,7 +256,7 @@ def chunked_logprobs_entropy(hidden, lm_head, targets, temperature: float, chunk
     return torch.cat(logps), torch.cat(entropies)
 
 
-def response_logprobs(model, batch: dict, temperature: float, chunk_size: int, with_entropy: bool):
+def response_logprobs(model, batch: dict, temperature: float, chunk_size: int, with_entropy: bool, num_chunks=None):
     """Per-token log-probs (and entropies) of the response tokens of a collated batch, flattened in order."""
     output = model(
         input_ids=batch["input_ids"],
@@ -262,7 +269,7 @@ def response_logprobs(model, batch: dict, temperature: float, chunk_size: int, w
     hidden = output.hidden_states[-1][:, :-1][target_mask]
     targets = batch["input_ids"][:, 1:][target_mask]
     head = model.module.get_output_embeddings() if hasattr(model, "module") else model.get_output_embeddings()
-    return chunked_logprobs_entropy(hidden, head, targets, temperature, chunk_size, with_entropy)
+    return chunked_logprobs_entropy(hidden, head, targets, temperature, chunk_size, with_entropy, num_chunks)
 
 
 def collate(prompts: list, responses: list, pad_id: int, device) -> dict:
@@ -444,9 +451,7 @@ if __name__ == "__main__":
     accelerator = get_accelerator()
     on_gpu = accelerator.device_name() != "cpu"
     if not on_gpu:  # DeepSpeed would compile a shared-memory comm op (~25 s) that gloo does not need
-        import deepspeed.comm.torch as ds_comm_torch
-
-        ds_comm_torch.build_shm_op = lambda: None
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     device = torch.device(accelerator.device_name(), local_rank) if on_gpu else torch.device("cpu")
     if on_gpu:
         accelerator.set_device(local_rank)
@@ -575,6 +580,12 @@ if __name__ == "__main__":
         totals = all_reduce_sums({"correct": correct, "length": length}, device)
         log({"eval/acc": totals["correct"] / len(eval_data), "eval/response_length": totals["length"] / len(eval_data)}, step)
 
+    # ZeRO-3 gathers weights per call, so every rank calls the head equally often (bounded by the longest batch)
+    head_calls = math.ceil(args.micro_batch_size * args.max_response_length / args.logprob_chunk_size) if args.zero_stage == 3 else None
+
+    def logprobs(model, batch, with_entropy=False):
+        return response_logprobs(model, batch, args.temperature, args.logprob_chunk_size, with_entropy, head_calls)
+
     stop_requested = False
 
     def request_stop(signum, frame):  # schedulers send SIGTERM before preemption: checkpoint, then exit
@@ -611,11 +622,11 @@ if __name__ == "__main__":
         with torch.no_grad():
             for s in range(0, len(responses), args.micro_batch_size):
                 batch = collate(seq_prompts[s : s + args.micro_batch_size], responses[s : s + args.micro_batch_size], tokenizer.pad_token_id, device)
-                logp, entropy = response_logprobs(engine, batch, args.temperature, args.logprob_chunk_size, True)
+                logp, entropy = logprobs(engine, batch, with_entropy=True)
                 old_logps.extend(logp.split(lengths[s : s + args.micro_batch_size].tolist()))
                 entropy_sum += entropy.sum().item()
                 if ref_model is not None:
-                    ref_logps.extend(response_logprobs(ref_model, batch, args.temperature, args.logprob_chunk_size, False)[0].split(lengths[s : s + args.micro_batch_size].tolist()))
+                    ref_logps.extend(logprobs(ref_model, batch)[0].split(lengths[s : s + args.micro_batch_size].tolist()))
                 if samples[s][1] is not None:
                     sampler_logp = torch.tensor([x for _, lp, _ in samples[s : s + args.micro_batch_size] for x in lp], device=device)
                     gap_sum += (sampler_logp - logp.float()).abs().sum().item()
@@ -632,7 +643,7 @@ if __name__ == "__main__":
                 for s in range(mb.start, mb.stop, args.micro_batch_size):
                     idx = slice(s, s + args.micro_batch_size)
                     batch = collate(seq_prompts[idx], responses[idx], tokenizer.pad_token_id, device)
-                    logp, _ = response_logprobs(engine, batch, args.temperature, args.logprob_chunk_size, False)
+                    logp, _ = logprobs(engine, batch)
                     old_logp = torch.cat(old_logps[idx])
                     adv = advantages[idx].to(device).repeat_interleave(lengths[idx].to(device))
                     weights = token_weights(lengths[idx], args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length).to(device)

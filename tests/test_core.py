@@ -115,3 +115,16 @@ def test_validate_args_rejects_bad_values_with_the_flag_name(flag, value, messag
     setattr(args, flag, value)
     with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
         gv.validate_args(args, 2)
+
+
+def test_fixed_number_of_head_calls_gives_the_same_values():
+    """ZeRO-3 mode: a fixed number of chunks (some empty) computes exactly what size-based chunking does."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(8, 13, bias=False)
+    hidden, targets = torch.randn(5, 8), torch.randint(0, 13, (5,))
+    calls = []
+    head.register_forward_hook(lambda *_: calls.append(1))
+    logp, ent = gv.chunked_logprobs_entropy(hidden, head, targets, 1.0, 4)
+    fixed_logp, fixed_ent = gv.chunked_logprobs_entropy(hidden, head, targets, 1.0, 4, num_chunks=9)
+    assert len(calls) == 2 + 9
+    assert torch.allclose(logp, fixed_logp) and torch.allclose(ent, fixed_ent)
