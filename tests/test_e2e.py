@@ -14,7 +14,7 @@ CPU_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SP
 _ports = iter(range(29600, 29700))
 
 
-def testbed_flags(tb, **overrides) -> list:
+def script_flags(tb, **overrides) -> list:
     flags = {"model-name-or-path": tb.model_dir, "dataset": tb.train_file, "total-steps": 2, "num-prompts-per-step": 4,
              "group-size": 4, "max-prompt-length": 128, "max-response-length": 12, "num-mini-batches": 1,
              "micro-batch-size": 8, "learning-rate": 5e-4, "save-every": 0, "eval-every": 0, "logprob-chunk-size": 16}
@@ -26,10 +26,12 @@ def testbed_flags(tb, **overrides) -> list:
 
 
 def run_script(script, flags, output_dir, nproc=1, timeout=600, check=True):
-    """Launch `script` with torchrun on `nproc` CPU processes; return the finished process."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(next(_ports)), os.path.join(ROOT, script), "--output-dir", str(output_dir), *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **CPU_ENV}, capture_output=True, text=True, timeout=timeout)
+    """Launch `script` with torchrun on `nproc` CPU processes (0: plain `python script`); return the finished process."""
+    port = next(_ports)
+    launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port)] if nproc else []
+    cmd = [sys.executable, *launcher, os.path.join(ROOT, script), "--output-dir", str(output_dir), *flags]
+    env = {**os.environ, **CPU_ENV, "MASTER_PORT": str(port)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
@@ -61,7 +63,7 @@ def assert_trained(rows, path, tb, steps):
 
 @pytest.mark.parametrize("nproc, zero", [(1, 2), (2, 2), (2, 3)])
 def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, nproc, zero):
-    run_script("grpo_vanilla.py", testbed_flags(testbed, **{"total-steps": 3, "zero-stage": zero}), tmp_path, nproc)
+    run_script("grpo_vanilla.py", script_flags(testbed, **{"total-steps": 3, "zero-stage": zero}), tmp_path, nproc)
     path = run_dir(tmp_path)
     rows = read_metrics(path)
     assert_trained(rows, path, testbed, 3)
@@ -72,7 +74,7 @@ def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, np
 
 
 def test_hf_generate_fallback(testbed, tmp_path):
-    run_script("grpo_vanilla.py", testbed_flags(testbed, **{"no-use-vllm": True, "loss-agg": "seq-mean-token-mean"}), tmp_path)
+    run_script("grpo_vanilla.py", script_flags(testbed, **{"no-use-vllm": True, "loss-agg": "seq-mean-token-mean"}), tmp_path)
     path = run_dir(tmp_path)
     assert_trained(read_metrics(path), path, testbed, 2)
 
@@ -80,8 +82,8 @@ def test_hf_generate_fallback(testbed, tmp_path):
 def test_same_global_batch_gives_the_same_update_on_any_layout(testbed, tmp_path):
     """1 rank x 4 micro-batches and 2 ranks x 2 micro-batches: same samples, same gradient, same weights."""
     common = {"total-steps": 1, "num-prompts-per-step": 4, "group-size": 4, "temperature": 1.0}
-    run_script("grpo_vanilla.py", testbed_flags(testbed, **common, **{"micro-batch-size": 4}), tmp_path / "a", 1)
-    run_script("grpo_vanilla.py", testbed_flags(testbed, **common, **{"micro-batch-size": 4}), tmp_path / "b", 2)
+    run_script("grpo_vanilla.py", script_flags(testbed, **common, **{"micro-batch-size": 4}), tmp_path / "a", 1)
+    run_script("grpo_vanilla.py", script_flags(testbed, **common, **{"micro-batch-size": 4}), tmp_path / "b", 2)
     (ma,), (mb,) = read_metrics(run_dir(tmp_path / "a")), read_metrics(run_dir(tmp_path / "b"))
     for key in ("rollout/reward", "entropy/full", "losses/policy_loss", "losses/grad_norm"):
         assert ma[key] == pytest.approx(mb[key], rel=1e-4, abs=1e-6), key
@@ -92,10 +94,10 @@ def test_same_global_batch_gives_the_same_update_on_any_layout(testbed, tmp_path
 
 def test_resume_continues_the_same_trajectory(testbed, tmp_path):
     flags = {"num-mini-batches": 2, "micro-batch-size": 4, "warmup-steps": 1}
-    run_script("grpo_vanilla.py", testbed_flags(testbed, **flags, **{"total-steps": 4}), tmp_path / "straight")
-    run_script("grpo_vanilla.py", testbed_flags(testbed, **flags, **{"total-steps": 2}), tmp_path / "split")
+    run_script("grpo_vanilla.py", script_flags(testbed, **flags, **{"total-steps": 4}), tmp_path / "straight")
+    run_script("grpo_vanilla.py", script_flags(testbed, **flags, **{"total-steps": 2}), tmp_path / "split")
     split = run_dir(tmp_path / "split")
-    run_script("grpo_vanilla.py", testbed_flags(testbed, **flags, **{"total-steps": 4, "resume": split}), tmp_path / "split")
+    run_script("grpo_vanilla.py", script_flags(testbed, **flags, **{"total-steps": 4, "resume": split}), tmp_path / "split")
     straight = run_dir(tmp_path / "straight")
     a, b = read_metrics(straight), read_metrics(split)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
@@ -117,18 +119,18 @@ def _one_line_error(proc, *words):
 @pytest.mark.parametrize("override, words", [
     ({"group-size": 1}, ["--group-size", ">= 2"]),
     ({"clip-eps-high": -0.1}, ["--clip-eps-high"]),
-    ({"num-prompts-per-step": 3}, ["--num-prompts-per-step", "divisible"]),
+    ({"num-prompts-per-step": 3, "num-mini-batches": 2}, ["--num-prompts-per-step", "divisible"]),
     ({"dataset": "/nonexistent/prompts.jsonl"}, ["/nonexistent/prompts.jsonl"]),
     ({"question-field": "statement"}, ["statement", "problem"]),
     ({"resume": "/nonexistent/run"}, ["--resume", "/nonexistent/run"]),
 ])
 def test_bad_input_is_one_clear_line(testbed, tmp_path, override, words):
-    proc = run_script("grpo_vanilla.py", testbed_flags(testbed, **override), tmp_path, timeout=120, check=False)
+    proc = run_script("grpo_vanilla.py", script_flags(testbed, **override), tmp_path, nproc=0, timeout=120, check=False)
     _one_line_error(proc, *words)
 
 
 def test_empty_dataset_is_one_clear_line(testbed, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    proc = run_script("grpo_vanilla.py", testbed_flags(testbed, dataset=empty), tmp_path / "out", timeout=120, check=False)
+    proc = run_script("grpo_vanilla.py", script_flags(testbed, dataset=empty), tmp_path / "out", nproc=0, timeout=120, check=False)
     _one_line_error(proc, str(empty))
