@@ -30,7 +30,7 @@ def run_script(script, flags, output_dir, nproc=1, timeout=600, check=True):
     port = next(_ports)
     launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port)] if nproc else []
     cmd = [sys.executable, *launcher, os.path.join(ROOT, script), "--output-dir", str(output_dir), *flags]
-    env = {**os.environ, **CPU_ENV, "MASTER_PORT": str(port)}
+    env = {**os.environ, **CPU_ENV, "MASTER_PORT": str(port), "WANDB_DIR": str(output_dir)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -38,7 +38,7 @@ def run_script(script, flags, output_dir, nproc=1, timeout=600, check=True):
 
 
 def run_dir(output_dir) -> str:
-    (name,) = os.listdir(output_dir)
+    (name,) = [d for d in os.listdir(output_dir) if d != "wandb"]
     return os.path.join(output_dir, name)
 
 
@@ -63,14 +63,23 @@ def assert_trained(rows, path, tb, steps):
 
 @pytest.mark.parametrize("nproc, zero", [(1, 2), (2, 2), (2, 3)])
 def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, nproc, zero):
-    run_script("grpo_vanilla.py", script_flags(testbed, **{"total-steps": 3, "zero-stage": zero}), tmp_path, nproc)
+    flags = {"total-steps": 3, "zero-stage": zero, "eval-dataset": testbed.test_file, "eval-every": 2,
+             "eval-num-prompts": 20, "track": True, "wandb-project-name": "test"}
+    run_script("grpo_vanilla.py", script_flags(testbed, **flags), tmp_path, nproc)
     path = run_dir(tmp_path)
     rows = read_metrics(path)
     assert_trained(rows, path, testbed, 3)
     # after every weight push the engine samples from the trainer's weights: same log-probs on sampled tokens
     for r in rows:
-        assert r["rollout/vllm_logprob_gap"] < 1e-3, r
+        if "rollout/vllm_logprob_gap" in r:
+            assert r["rollout/vllm_logprob_gap"] < 1e-3, r
+    evals = [r for r in rows if "eval/acc" in r]
+    assert [r["step"] for r in evals] == [2, 3] and all(0 <= r["eval/acc"] <= 1 for r in evals)
     assert os.path.isdir(os.path.join(path, "checkpoints", "step_0000003"))
+    # wandb (offline) recorded the run under its name, with the config
+    (wandb_run,) = [d for d in os.listdir(os.path.join(tmp_path, "wandb")) if d.startswith("offline-run")]
+    with open(os.path.join(tmp_path, "wandb", wandb_run, f"run-{os.path.basename(path)}.wandb"), "rb") as f:
+        assert b"loss_agg" in f.read()
 
 
 def test_hf_generate_fallback(testbed, tmp_path):
