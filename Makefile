@@ -7,9 +7,16 @@ ARGS ?=
 CPU_ENV := DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 WANDB_MODE=offline \
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # testbed settings: 16 prompts x 8 samples per step, 2 optimizer updates per step
-TESTBED_ARGS := --total-steps 60 --num-prompts-per-step 16 --group-size 8 --max-prompt-length 128 \
+TESTBED_ARGS := --total-steps 150 --num-prompts-per-step 16 --group-size 8 --max-prompt-length 128 \
 	--max-response-length 16 --num-mini-batches 2 --micro-batch-size 32 --learning-rate 2e-4 --warmup-steps 5 \
 	--no-gradient-checkpointing --eval-every 10 --eval-num-prompts 200 --save-every 20
+
+define TESTBED_FLAGS
+from utils.testbed import build_testbed
+tb = build_testbed(log=lambda *a: None)
+print(f"--model-name-or-path {tb.model_dir} --dataset {tb.train_file} --eval-dataset {tb.test_file}")
+endef
+export TESTBED_FLAGS
 
 .PHONY: venv testbed test
 venv: .venv/.installed
@@ -24,7 +31,7 @@ venv: .venv/.installed
 testbed: venv
 	$(CPU_ENV) $(PY) -m utils.testbed
 	$(CPU_ENV) $(PY) -m torch.distributed.run --nproc_per_node $(NPROC) --master_port 29511 $(SCRIPT) \
-		$$($(PY) -m utils.testbed --flags) $(TESTBED_ARGS) $(ARGS)
+		$$($(PY) -c "$$TESTBED_FLAGS") $(TESTBED_ARGS) $(ARGS)
 	$(PY) benchmarks/plot_run.py $$(ls -td runs/*/ | head -1)
 
 test: venv

@@ -594,6 +594,8 @@ if __name__ == "__main__":
 
     signal.signal(signal.SIGTERM, request_stop)
 
+    if eval_data and args.eval_every and start_step == 0:
+        evaluate(0)  # the base policy
     G = args.group_size
     progress = tqdm(range(start_step, args.total_steps), disable=rank != 0, initial=start_step, total=args.total_steps)
     for step in progress:

@@ -74,7 +74,7 @@ def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, np
         if "rollout/vllm_logprob_gap" in r:
             assert r["rollout/vllm_logprob_gap"] < 1e-3, r
     evals = [r for r in rows if "eval/acc" in r]
-    assert [r["step"] for r in evals] == [2, 3] and all(0 <= r["eval/acc"] <= 1 for r in evals)
+    assert [r["step"] for r in evals] == [0, 2, 3] and all(0 <= r["eval/acc"] <= 1 for r in evals)
     assert os.path.isdir(os.path.join(path, "checkpoints", "step_0000003"))
     # wandb (offline) recorded the run under its name, with the config
     (wandb_run,) = [d for d in os.listdir(os.path.join(tmp_path, "wandb")) if d.startswith("offline-run")]
