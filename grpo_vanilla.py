@@ -462,12 +462,13 @@ if __name__ == "__main__":
     if args.resume and resume_from is None:
         raise SystemExit(f"error: --resume {args.resume}: no complete checkpoint found")
     if resume_from:
-        args.run_name = os.path.basename(os.path.dirname(os.path.dirname(os.path.abspath(resume_from))))
+        run_dir = os.path.dirname(os.path.dirname(os.path.abspath(resume_from)))
+        args.run_name = os.path.basename(run_dir)
     else:
         run_time = torch.tensor([int(time.time())], device=device)
         dist.broadcast(run_time, 0)
         args.run_name = f"{args.exp_name}__{args.seed}__{int(run_time.item())}"
-    run_dir = os.path.join(args.output_dir, args.run_name)
+        run_dir = os.path.join(args.output_dir, args.run_name)
 
     # TRY NOT TO MODIFY: seeding
     random.seed(args.seed)

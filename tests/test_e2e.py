@@ -61,10 +61,10 @@ def assert_trained(rows, path, tb, steps):
     assert any(not torch.equal(before[k], after[k]) for k in before), "weights did not change"
 
 
-@pytest.mark.parametrize("nproc, zero", [(1, 2), (2, 2), (2, 3)])
-def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, nproc, zero):
+@pytest.mark.parametrize("nproc, zero, kl_coef", [(1, 2, 0.0), (2, 2, 0.0), (2, 3, 0.1)])
+def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, nproc, zero, kl_coef):
     flags = {"total-steps": 3, "zero-stage": zero, "eval-dataset": testbed.test_file, "eval-every": 2,
-             "eval-num-prompts": 20, "track": True, "wandb-project-name": "test"}
+             "eval-num-prompts": 20, "track": True, "wandb-project-name": "test", "kl-coef": kl_coef}
     run_script("grpo_vanilla.py", script_flags(testbed, **flags), tmp_path, nproc)
     path = run_dir(tmp_path)
     rows = read_metrics(path)
@@ -73,6 +73,8 @@ def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, np
     for r in rows:
         if "rollout/vllm_logprob_gap" in r:
             assert r["rollout/vllm_logprob_gap"] < 1e-3, r
+    # the reference model is loaded only for a KL penalty: zero at the first (on-policy) update, then positive
+    assert [r.get("losses/ref_kl", 0) > 0 for r in rows if "rollout/reward" in r] == [False] + [kl_coef > 0] * 2
     evals = [r for r in rows if "eval/acc" in r]
     assert [r["step"] for r in evals] == [0, 2, 3] and all(0 <= r["eval/acc"] <= 1 for r in evals)
     assert os.path.isdir(os.path.join(path, "checkpoints", "step_0000003"))
