@@ -530,11 +530,12 @@ if __name__ == "__main__":
         ref_model = deepspeed.initialize(model=ref_model, config=ref_config)[0]
         ref_model.eval()
 
-    start_step = 0
+    start_step, method_state = 0, {}  # method_state: what a method carries across steps (saved in checkpoints)
     if resume_from:
         engine.load_checkpoint(resume_from, tag="state")
         with open(os.path.join(resume_from, "trainer_state.json")) as f:
-            start_step = json.load(f)["step"]
+            trainer_state = json.load(f)
+        start_step, method_state = trainer_state["step"], trainer_state["method_state"]
         rng = torch.load(os.path.join(resume_from, f"rng_rank{rank}.pt"), weights_only=False)
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
@@ -727,7 +728,7 @@ if __name__ == "__main__":
         stop = torch.tensor([float(stop_requested)], device=device)
         dist.all_reduce(stop)
         if (args.save_every and (step + 1) % args.save_every == 0) or done or stop.item():
-            save_checkpoint(engine, run_dir, step + 1, {"run_name": args.run_name}, args.keep_checkpoints, rank)
+            save_checkpoint(engine, run_dir, step + 1, {"method_state": method_state}, args.keep_checkpoints, rank)
         if stop.item():
             if rank == 0:
                 print(f"stopped by signal after step {step + 1}; resume with --resume {run_dir}")
