@@ -1,0 +1,256 @@
+# Compare GRPO runs by method: curves over seeds, the entropy-performance law R = -a exp(H) + b, a table; docs: README.md
+import glob
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import tyro
+
+
+@dataclass
+class Args:
+    runs: tuple[str, ...] = ("runs/*",)
+    """run directories (each with metrics.jsonl and args.json) or glob patterns; wandb run paths are a TODO"""
+    output_dir: str = "runs/compare"
+    """where the PNGs, compare.md and compare.json go"""
+    baseline: str = "grpo_vanilla"
+    """the method the others' final entropy is compared to (column 'entropy retained')"""
+    entropy_metric: str = "entropy/full"
+    """the entropy H: full-vocabulary entropy of the sampling policy, mean over response tokens"""
+    law_metric: str = "auto"
+    """the performance R of the law: eval/acc where every run logs it, else rollout/accuracy ('auto'), or a metric"""
+    smooth: int = 1
+    """moving-average window (steps) of the training curves; 1 plots them raw"""
+    final_window: int = 10
+    """'final' rollout numbers are the mean of the last this many steps, 'best' the max of that moving average"""
+
+
+def find_runs(patterns) -> list:
+    """Run directories matched by the patterns (a directory or a glob), in order, without duplicates."""
+    found = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) or [pattern]
+        for path in matches:
+            if os.path.isfile(os.path.join(path, "metrics.jsonl")) and path not in found:
+                found.append(path)
+    if not found:
+        raise SystemExit(f"error: no run directory with a metrics.jsonl matches {' '.join(patterns)}")
+    return found
+
+
+def read_run(path: str) -> dict:
+    """{"path", "method", "seed", "rows"}; the method is args.json's exp_name (else the part of the name before '__')."""
+    name = os.path.basename(os.path.normpath(path))
+    args = {}
+    if os.path.isfile(os.path.join(path, "args.json")):
+        with open(os.path.join(path, "args.json")) as f:
+            args = json.load(f)
+    rows = []
+    with open(os.path.join(path, "metrics.jsonl")) as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    raise SystemExit(f"error: {path}/metrics.jsonl line {number} is not JSON")
+    return {"path": path, "method": args.get("exp_name", name.split("__")[0]), "seed": args.get("seed"), "rows": rows}
+
+
+def series(rows: list, key: str) -> tuple:
+    """(steps, values) of one metric, in step order (a resumed run may repeat a step: the last value wins)."""
+    points = {r["step"]: r[key] for r in rows if r.get(key) is not None}
+    steps = sorted(points)
+    return np.array(steps, dtype=float), np.array([points[s] for s in steps], dtype=float)
+
+
+def moving_average(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean over `window` points (shorter at the start)."""
+    if window <= 1 or len(values) == 0:
+        return values
+    sums = np.cumsum(np.insert(values, 0, 0.0))
+    counts = np.minimum(np.arange(1, len(values) + 1), window)
+    return (sums[1:] - sums[np.maximum(np.arange(1, len(values) + 1) - window, 0)]) / counts
+
+
+def aggregate(runs: list, key: str, smooth: int = 1) -> Optional[tuple]:
+    """(steps, mean, min, max) over the runs (seeds) of one method, at every step any of them logged; None if none did."""
+    by_step = {}
+    for run in runs:
+        steps, values = series(run["rows"], key)
+        for s, v in zip(steps, moving_average(values, smooth)):
+            by_step.setdefault(s, []).append(v)
+    if not by_step:
+        return None
+    steps = np.array(sorted(by_step))
+    stacked = [np.array(by_step[s]) for s in steps]
+    return steps, np.array([v.mean() for v in stacked]), np.array([v.min() for v in stacked]), np.array([v.max() for v in stacked])
+
+
+def law_points(rows: list, metric: str, entropy_metric: str) -> tuple:
+    """(H, R) pairs of one run. An evaluation logged at step s measured the policy that sampled step s + 1's rollouts,
+    so it is paired with step s + 1's entropy (the last evaluation, with nothing after it, with step s's)."""
+    entropy = dict(zip(*series(rows, entropy_metric)))
+    H, R = [], []
+    for s, r in zip(*series(rows, metric)):
+        h = entropy.get(s + 1, entropy.get(s)) if metric.startswith("eval/") else entropy.get(s)
+        if h is not None:
+            H.append(h)
+            R.append(r)
+    return np.array(H), np.array(R)
+
+
+def fit_law(H, R) -> tuple:
+    """Least-squares (a, b) of R = -a * exp(H) + b (linear in exp(H)); NaNs with fewer than 2 distinct H."""
+    H, R = np.asarray(H, dtype=float), np.asarray(R, dtype=float)
+    if len(np.unique(H)) < 2:
+        return math.nan, math.nan
+    design = np.stack([-np.exp(H), np.ones_like(H)], axis=1)
+    (a, b), *_ = np.linalg.lstsq(design, R, rcond=None)
+    return float(a), float(b)
+
+
+def run_summary(run: dict, args: Args) -> dict:
+    """Per-run numbers for the table: final and best reward (smoothed), final and best eval accuracy, final entropy."""
+    out = {}
+    for key, name in (("rollout/reward", "reward"), ("rollout/accuracy", "accuracy"), (args.entropy_metric, "entropy")):
+        steps, values = series(run["rows"], key)
+        if len(values):
+            smoothed = moving_average(values, args.final_window)
+            out[f"final_{name}"], out[f"best_{name}"] = smoothed[-1], smoothed.max()
+            out["steps"] = int(steps[-1])
+    steps, values = series(run["rows"], "eval/acc")
+    if len(values):
+        out["final_eval_acc"], out["best_eval_acc"] = values[-1], values.max()
+    return out
+
+
+def fmt(values: list, digits: int = 3) -> str:
+    """mean, with the (min-max) range over seeds when there are several; '-' when nothing was logged."""
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    if not values:
+        return "-"
+    mean = f"{np.mean(values):.{digits}f}"
+    lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return mean if lo == hi else f"{mean} ({lo}-{hi})"
+
+
+def plot_curves(plt, path: str, groups: dict, colors: dict, panels: list, smooth: int) -> bool:
+    """One PNG, one panel per (metric, label): mean over seeds and its min-max band per method. False if no data."""
+    panels = [(k, label) for k, label in panels if any(aggregate(rs, k) is not None for rs in groups.values())]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for ax, (key, label) in zip(axes[0], panels):
+        for method, runs in groups.items():
+            agg = aggregate(runs, key, 1 if key.startswith("eval/") else smooth)
+            if agg is None:
+                continue
+            steps, mean, lo, hi = agg
+            ax.plot(steps, mean, color=colors[method], label=f"{method} ({len(runs)} seed{'s' * (len(runs) > 1)})",
+                    marker="." if len(steps) < 30 else None)
+            if len(runs) > 1:
+                ax.fill_between(steps, lo, hi, color=colors[method], alpha=0.2, linewidth=0)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_law(plt, path: str, groups: dict, colors: dict, points: dict, fits: dict, metric: str, entropy_metric: str):
+    """Performance vs entropy per method with its fitted R = -a exp(H) + b and the predicted ceiling -a + b at H = 0."""
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for method in groups:
+        H, R = points[method]
+        if not len(H):
+            continue
+        ax.scatter(H, R, s=10, alpha=0.5, color=colors[method])
+        a, b = fits[method]
+        if not math.isnan(a):
+            grid = np.linspace(0, H.max() * 1.05, 100)
+            ax.plot(grid, -a * np.exp(grid) + b, color=colors[method], label=f"{method}: a={a:.3g}, b={b:.3g}")
+            ax.axhline(b - a, color=colors[method], linestyle="--", linewidth=0.8)
+    ax.set_xlabel(f"{entropy_metric} (nats)")
+    ax.set_ylabel(metric)
+    ax.set_title("R = -a exp(H) + b; dashed: ceiling -a + b at H = 0", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if args.smooth < 1 or args.final_window < 1:
+        raise SystemExit("error: --smooth and --final-window must be >= 1")
+    runs = [read_run(p) for p in find_runs(args.runs)]
+    methods = sorted({r["method"] for r in runs}, key=lambda m: (m != args.baseline, m))  # baseline first
+    groups = {m: [r for r in runs if r["method"] == m] for m in methods}
+    os.makedirs(args.output_dir, exist_ok=True)
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
+    E = args.entropy_metric
+    cov_keys = sorted({k for r in runs for row in r["rows"] for k in row if k.startswith("cov/")})
+    figures = {
+        "entropy.png": [(E, f"{E} (nats)")],
+        "reward.png": [("rollout/reward", "rollout/reward"), ("rollout/accuracy", "rollout/accuracy")],
+        "eval_acc.png": [("eval/acc", "eval/acc")],
+        "aent.png": [("entropy/coef", "AEnt coefficient"), ("entropy/clamped", "clamped entropy (nats)")],
+        "cov.png": [(k, k) for k in cov_keys],
+    }
+    written = [name for name, panels in figures.items()
+               if plot_curves(plt, os.path.join(args.output_dir, name), groups, colors, panels, args.smooth)]
+
+    # the entropy-performance law, fitted per method over all its seeds' points
+    metric = args.law_metric
+    if metric == "auto":
+        metric = "eval/acc" if all(len(series(r["rows"], "eval/acc")[0]) >= 2 for r in runs) else "rollout/accuracy"
+    points = {m: tuple(np.concatenate(x) for x in zip(*(law_points(r["rows"], metric, E) for r in rs)))
+              for m, rs in groups.items()}
+    fits = {m: fit_law(*points[m]) for m in methods}
+    plot_law(plt, os.path.join(args.output_dir, "law.png"), groups, colors, points, fits, metric, E)
+    written.append("law.png")
+
+    # the table: per-run numbers, then mean and range over each method's seeds
+    summaries = {m: [run_summary(r, args) for r in rs] for m, rs in groups.items()}
+    base = [s.get("final_entropy") for s in summaries.get(args.baseline, [])]
+    base_entropy = np.mean(base) if base and None not in base else None
+    header = ["method", "seeds", "steps", "final reward", "best reward", "final eval acc", "best eval acc",
+              "final entropy", f"entropy retained vs {args.baseline}", "a", "b", "ceiling -a+b"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    table = {}
+    for m in methods:
+        s = summaries[m]
+        col = {k: [x.get(k) for x in s] for k in ("steps", "final_reward", "best_reward", "final_eval_acc",
+                                                   "best_eval_acc", "final_entropy")}
+        entropies = [e for e in col["final_entropy"] if e is not None]
+        retained = np.mean(entropies) / base_entropy if entropies and base_entropy else None
+        a, b = fits[m]
+        table[m] = {"runs": [r["path"] for r in groups[m]], "seeds": [r["seed"] for r in groups[m]], **col,
+                    "entropy_retained": retained, "a": a, "b": b, "ceiling": b - a}
+        cells = [m, str(len(s)), fmt(col["steps"], 0), fmt(col["final_reward"]), fmt(col["best_reward"]),
+                 fmt(col["final_eval_acc"]), fmt(col["best_eval_acc"]), fmt(col["final_entropy"]),
+                 "-" if retained is None else f"{retained:.2f}x", fmt([a]), fmt([b]), fmt([b - a])]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = (f"\nFinal/best reward and entropy: mean of the last {args.final_window} steps / best {args.final_window}-step "
+             f"moving average; eval acc: last / best evaluation; ranges are min-max over seeds. Law fitted on "
+             f"({E}, {metric}) pairs of every step of every seed.\n")
+    markdown = "\n".join(lines) + "\n" + notes + "".join(f"\n![{n}]({n})\n" for n in written)
+    with open(os.path.join(args.output_dir, "compare.md"), "w") as f:
+        f.write(markdown)
+    with open(os.path.join(args.output_dir, "compare.json"), "w") as f:
+        json.dump({"law_metric": metric, "entropy_metric": E, "methods": table}, f, indent=2, default=float)
+    print("\n".join(lines))
+    print(f"wrote {', '.join(written)}, compare.md and compare.json to {args.output_dir}")

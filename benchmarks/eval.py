@@ -1,0 +1,526 @@
+# Evaluate a model on math test sets: mean@k, pass@k, majority vote, length, truncation, entropy; docs: README.md
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import numpy as np
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # `python benchmarks/eval.py` must find utils/ and grpo_vanilla.py
+    sys.path.insert(0, ROOT)
+
+from utils.data import format_prompt, load_problems  # noqa: E402
+from utils.reward import grade, last_boxed  # noqa: E402
+
+DATA_DIR = os.path.join(ROOT, "benchmarks", "data")
+VENDORED = ("math500", "aime24", "amc23", "minerva_math", "olympiadbench", "gsm8k")
+
+
+@dataclass
+class Args:
+    model_name_or_path: str = "Qwen/Qwen2.5-Math-1.5B"
+    """the model to evaluate: a local HF directory (e.g. runs/<run_name>/final) or a hub id"""
+    datasets: tuple[str, ...] = VENDORED
+    """vendored test sets by name (benchmarks/data/<name>.jsonl), or paths / hub ids of other sets"""
+    output_dir: Optional[str] = None
+    """results folder (default: <model dir>/eval for a local model, runs/eval/<org>__<name> for a hub id)"""
+    seed: int = 0
+    """sampling seed; each problem's seed derives from it, so samples do not depend on batching or resuming"""
+    limit: Optional[int] = None
+    """evaluate only the first N problems of each dataset"""
+
+    # Sampling (defaults: the AEnt paper's evaluation of its MATH run)
+    n: int = 4
+    """samples per problem: the k of mean@k, pass@k and maj@k"""
+    temperature: float = 0.6
+    """sampling temperature"""
+    top_p: float = 0.95
+    """nucleus sampling"""
+    top_k: int = 20
+    """sample among the k most likely tokens (0 disables)"""
+    greedy: bool = False
+    """greedy decoding, one sample per problem (ignores --n, --temperature, --top-p, --top-k)"""
+    max_prompt_length: int = 1024
+    """prompts longer than this (in tokens) are not generated for and count as wrong (reported as prompt_too_long)"""
+    max_response_length: int = 3072
+    """maximum generated tokens per response; cut responses are graded as they are and counted as truncated"""
+
+    # Engine
+    use_vllm: bool = True
+    """generate with vLLM; `--no-use-vllm` uses HF generate (slow; samples depend on --hf-batch-size)"""
+    vllm_gpu_memory_utilization: float = 0.7
+    """fraction of GPU memory vLLM may take; the rest holds the HF model that measures entropy"""
+    tensor_parallel_size: int = 1
+    """GPUs per vLLM engine"""
+    data_parallel_size: int = 0
+    """engines run side by side on disjoint GPUs, each on a share of the problems (0: all visible GPUs / TP; 1 on CPU)"""
+    chunk_problems: int = 256
+    """problems per generation call; each finished chunk is saved, so an interrupted run resumes after it"""
+    hf_batch_size: int = 8
+    """problems per HF generate call (with --no-use-vllm)"""
+    entropy: bool = True
+    """measure the mean full-vocabulary token entropy of each response under the model (an HF forward per response)"""
+    entropy_temperature: float = 1.0
+    """the entropy is of softmax(logits / this): 1.0 is the model's own distribution, as the protocol's raw logits"""
+    entropy_micro_batch: int = 4
+    """responses per HF forward when measuring entropy"""
+    logprob_chunk_size: int = 1024
+    """tokens per chunk of the vocabulary projection; bounds the [tokens, vocab] temporaries"""
+
+    # Files of the entropy-collapse evaluation protocol (docs/methods.md)
+    export_protocol: bool = False
+    """also write protocol/<set>_outputs.parquet (sample_id, output) and protocol/<set>_entropies.parquet"""
+    protocol_dataset: str = "math500"
+    """the set exported for the protocol (its first sample per problem: use --greedy or --n 1 for a submission)"""
+    export_logits: bool = False
+    """also write raw logits, protocol/<set>_logits/<sample_id>.npy, float16 [tokens, vocab]: ~0.3 MB per token at
+    Qwen's 151,936 vocab, about 100 GB for MATH-500 (implies --export-protocol)"""
+
+    # filled in at runtime
+    shard: int = 0
+    """set by the data-parallel launcher: this process's share of the problems"""
+    num_shards: int = 1
+    """set by the data-parallel launcher: the number of engines"""
+
+
+def validate_args(args: Args) -> None:
+    """Reject impossible settings at start, with one line naming the flag."""
+    checks = [
+        (args.n >= 1, f"--n must be >= 1 (got {args.n})"),
+        (args.greedy or args.temperature > 0, f"--temperature must be > 0 (got {args.temperature}); use --greedy"),
+        (0 < args.top_p <= 1, f"--top-p must be in (0, 1] (got {args.top_p})"),
+        (args.top_k >= -1, f"--top-k must be >= 0 (got {args.top_k})"),
+        (args.max_prompt_length >= 1, f"--max-prompt-length must be >= 1 (got {args.max_prompt_length})"),
+        (args.max_response_length >= 1, f"--max-response-length must be >= 1 (got {args.max_response_length})"),
+        (args.limit is None or args.limit >= 1, f"--limit must be >= 1 (got {args.limit})"),
+        (args.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1 (got {args.tensor_parallel_size})"),
+        (args.data_parallel_size >= 0, f"--data-parallel-size must be >= 0 (got {args.data_parallel_size})"),
+        (args.chunk_problems >= 1, f"--chunk-problems must be >= 1 (got {args.chunk_problems})"),
+        (args.hf_batch_size >= 1, f"--hf-batch-size must be >= 1 (got {args.hf_batch_size})"),
+        (args.entropy_temperature > 0, f"--entropy-temperature must be > 0 (got {args.entropy_temperature})"),
+        (args.entropy_micro_batch >= 1, f"--entropy-micro-batch must be >= 1 (got {args.entropy_micro_batch})"),
+        (args.logprob_chunk_size >= 1, f"--logprob-chunk-size must be >= 1 (got {args.logprob_chunk_size})"),
+        (len(args.datasets) >= 1, "--datasets needs at least one set"),
+        (len(set(args.datasets)) == len(args.datasets), "--datasets names a set twice"),
+        (not args.export_protocol or dataset_name(args.protocol_dataset) in map(dataset_name, args.datasets),
+         f"--protocol-dataset {args.protocol_dataset} is not among --datasets"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise SystemExit(f"error: {message}")
+
+
+def dataset_name(spec: str) -> str:
+    """Short name of a dataset flag: the vendored name, a file's stem, or a hub id with '/' -> '__'."""
+    if os.path.exists(spec):
+        return os.path.splitext(os.path.basename(spec.rstrip("/")))[0]
+    return spec.replace("/", "__").replace(":", "_")
+
+
+def dataset_source(spec: str) -> str:
+    """What load_problems reads for a dataset flag: the vendored file for a bare vendored name."""
+    vendored = os.path.join(DATA_DIR, f"{spec}.jsonl")
+    return vendored if not os.path.exists(spec) and os.path.exists(vendored) else spec
+
+
+def sample_settings(args: Args) -> dict:
+    """The flags that determine the samples: a resumed run must use the same ones."""
+    keys = ("model_name_or_path", "seed", "temperature", "top_p", "top_k", "greedy", "max_prompt_length",
+            "max_response_length", "use_vllm", "entropy", "entropy_temperature")
+    return {"n": samples_per_problem(args), **{k: getattr(args, k) for k in keys}}
+
+
+def samples_per_problem(args: Args) -> int:
+    return 1 if args.greedy else args.n
+
+
+def problem_seed(seed: int, dataset: str, index: int) -> int:
+    """A stable per-problem seed (vLLM seeds sample j with seed + j, so neighbours are spaced apart)."""
+    return zlib.crc32(f"{seed}:{dataset}:{index}".encode()) * 1024 % 2**62
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n - c, k) / C(n, k) (Chen et al., 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def same_answer(a: str, b: str, cache: dict) -> bool:
+    """Two extracted answers are equal: same text up to whitespace, or equivalent per math-verify (either way round)."""
+    if "".join(a.split()) == "".join(b.split()):
+        return True
+    if (a, b) not in cache:
+        cache[(a, b)] = grade(f"\\boxed{{{a}}}", b)[0] == 1.0 or grade(f"\\boxed{{{b}}}", a)[0] == 1.0
+    return cache[(a, b)]
+
+
+def majority_vote(answers: list, cache: dict) -> Optional[int]:
+    """Index of a sample holding the most frequent answer (ties: the answer seen first); None if no sample has one."""
+    clusters = []  # [representative index, count]
+    for i, answer in enumerate(answers):
+        if not answer:
+            continue
+        for cluster in clusters:
+            if same_answer(answers[cluster[0]], answer, cache):
+                cluster[1] += 1
+                break
+        else:
+            clusters.append([i, 1])
+    return max(clusters, key=lambda c: c[1])[0] if clusters else None  # max keeps the first of equal counts
+
+
+def protocol_output(response: str) -> str:
+    """The response ending `Answer:\\boxed{X}` as the protocol asks: X is its own last boxed answer (empty if none),
+    appended on a new line unless the response already ends that way, so grading it gives the same reward."""
+    text = response.rstrip()
+    tail = f"Answer:\\boxed{{{last_boxed(text) or ''}}}"
+    return text if text.endswith(tail) else f"{text}\n{tail}".lstrip("\n")
+
+
+def read_samples(out_dir: str, n: int) -> dict:
+    """Finished problems on disk: {(dataset, index): [n sample rows]}, from samples.jsonl and unmerged shard parts.
+
+    A problem's rows are written in one call, so a crash can only leave its last line cut (skipped here)."""
+    groups = {}
+    files = [f for f in sorted(os.listdir(out_dir)) if f == "samples.jsonl" or f.startswith("samples.part")]
+    for name in files:
+        with open(os.path.join(out_dir, name)) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                groups.setdefault((row["dataset"], row["index"]), {})[row["sample"]] = row
+    return {key: [rows[j] for j in range(n)] for key, rows in groups.items() if len(rows) == n}
+
+
+def generate_vllm(llm, prompts: list, seeds: list, args: Args) -> list:
+    """For each prompt, n (token ids, truncated) pairs from vLLM."""
+    from vllm import SamplingParams
+
+    params = [
+        SamplingParams(
+            n=samples_per_problem(args), temperature=0.0 if args.greedy else args.temperature,
+            top_p=1.0 if args.greedy else args.top_p, top_k=0 if args.greedy else args.top_k,
+            max_tokens=args.max_response_length, seed=seed, detokenize=False,
+        )
+        for seed in seeds
+    ]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[(list(c.token_ids), c.finish_reason == "length") for c in o.outputs] for o in outputs]
+
+
+def generate_hf(model, tokenizer, prompts: list, seeds: list, args: Args, device) -> list:
+    """For each prompt, n (token ids, truncated) pairs from HF generate, hf_batch_size prompts per call."""
+    import torch
+
+    n, eos, pad = samples_per_problem(args), tokenizer.eos_token_id, tokenizer.pad_token_id
+    results = []
+    for s in range(0, len(prompts), args.hf_batch_size):
+        batch = [p for p in prompts[s : s + args.hf_batch_size] for _ in range(n)]
+        width = max(len(p) for p in batch)
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        sampling = {} if args.greedy else {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+        torch.manual_seed(seeds[s])
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=args.max_response_length,
+                do_sample=not args.greedy, pad_token_id=pad, eos_token_id=eos, **sampling,
+            )
+        rows = []
+        for row in out[:, width:].tolist():
+            ids = row[: row.index(eos) + 1] if eos in row else row  # keep the eos, as vLLM does
+            rows.append((ids, eos not in row and len(ids) == args.max_response_length))
+        results.extend(rows[j : j + n] for j in range(0, len(rows), n))
+    return results
+
+
+def token_entropies(model, prompts: list, responses: list, args: Args, device, pad_id: int) -> list:
+    """Per-token full-vocabulary entropy of each response under the model (float32 numpy arrays), at
+    --entropy-temperature, via the training script's chunked head: no [batch, time, vocab] tensor is built."""
+    import torch
+
+    from grpo_vanilla import collate, response_logprobs
+
+    result = [np.zeros(0, dtype=np.float32)] * len(responses)
+    todo = [i for i, r in enumerate(responses) if r]
+    for s in range(0, len(todo), args.entropy_micro_batch):
+        idx = todo[s : s + args.entropy_micro_batch]
+        batch = collate([prompts[i] for i in idx], [responses[i] for i in idx], pad_id, device)
+        with torch.no_grad():
+            _, entropy = response_logprobs(model, batch, args.entropy_temperature, args.logprob_chunk_size, True)
+        for i, e in zip(idx, entropy.float().cpu().split([len(responses[i]) for i in idx])):
+            result[i] = e.numpy()
+    return result
+
+
+def raw_logits(model, prompt: list, response: list, chunk_size: int, device) -> np.ndarray:
+    """float16 [len(response), vocab] logits (temperature 1) at the response positions, built chunk by chunk."""
+    import torch
+
+    if not response:
+        return np.zeros((0, model.config.vocab_size), dtype=np.float16)
+    with torch.no_grad():
+        ids = torch.tensor([prompt + response], device=device)
+        hidden = model(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states[-1][0]
+        hidden = hidden[len(prompt) - 1 : len(prompt) + len(response) - 1]
+        head = model.get_output_embeddings()
+        return np.concatenate([head(h).float().cpu().numpy().astype(np.float16) for h in hidden.split(chunk_size)])
+
+
+def summarize(rows: list, n: int, cache: dict) -> dict:
+    """Per-dataset numbers from its sample rows (n per problem, grouped in order). Problems whose prompt was too
+    long count as wrong in the accuracies and are left out of the format, length, truncation and entropy means."""
+    groups = [rows[i : i + n] for i in range(0, len(rows), n)]
+    correct = [sum(r["reward"] == 1.0 for r in g) for g in groups]
+    ks = sorted({2**i for i in range(int(math.log2(n)) + 1)} | {n})
+    majority = [majority_vote([r["extracted"] for r in g], cache) for g in groups]
+    generated = [r for r in rows if r["status"] != "prompt_too_long"]
+    measured = [r for r in generated if r["entropy"] is not None and r["length"]]
+    entropy_tokens = sum(r["length"] for r in measured)
+    mean = lambda values: sum(values) / len(generated) if generated else None  # noqa: E731
+    return {
+        "problems": len(groups),
+        "samples": len(rows),
+        f"mean@{n}": sum(r["reward"] for r in rows) / len(rows),
+        **{f"pass@{k}": float(np.mean([pass_at_k(n, c, k) for c in correct])) for k in ks},
+        f"maj@{n}": float(np.mean([g[m]["reward"] if m is not None else 0.0 for g, m in zip(groups, majority)])),
+        "format_rate": mean([r["status"] != "no_box" for r in generated]),
+        "response_length": mean([r["length"] for r in generated]),
+        "truncation_rate": mean([r["truncated"] for r in generated]),
+        "entropy": sum(r["entropy"] * r["length"] for r in measured) / entropy_tokens if entropy_tokens else None,
+        "prompt_too_long": len(groups) - len({(r["dataset"], r["index"]) for r in generated}),
+        "grader_failures": sum(r["status"] in ("timeout", "error") for r in rows),
+    }
+
+
+def markdown_table(results: dict, n: int) -> str:
+    """The results as a markdown table: one row per dataset, then the unweighted average over datasets."""
+    cols = ["problems", f"mean@{n}", f"pass@{n}", f"maj@{n}", "response_length", "truncation_rate", "entropy"]
+    lines = ["| dataset | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 1)]
+    for name, r in [*results["datasets"].items(), ("average", results["average"])]:
+        cells = ["" if r.get(c) is None else f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def visible_gpus() -> list:
+    """The GPU ids this process may use, as CUDA_VISIBLE_DEVICES names them."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return env.split(",") if env else [str(i) for i in range(torch.cuda.device_count())]
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if args.export_logits:
+        args.export_protocol = True
+    validate_args(args)
+    n = samples_per_problem(args)
+    if args.output_dir is None:
+        local = os.path.isdir(args.model_name_or_path)
+        hub_name = os.path.join("runs", "eval", args.model_name_or_path.replace("/", "__"))
+        args.output_dir = os.path.join(args.model_name_or_path, "eval") if local else hub_name
+    out_dir = args.output_dir
+    worker = args.num_shards > 1  # a data-parallel worker only generates; its launcher merges and reports
+    os.makedirs(out_dir, exist_ok=True)
+
+    # a resumed run must sample the same way as the samples already on disk
+    settings_path = os.path.join(out_dir, "settings.json")
+    if os.path.exists(settings_path) and any(f.startswith("samples") for f in os.listdir(out_dir)):
+        with open(settings_path) as f:
+            saved = json.load(f)
+        changed = [k for k, v in sample_settings(args).items() if saved.get(k) != v]
+        if changed:
+            raise SystemExit(f"error: {out_dir} holds samples made with other settings ({', '.join(changed)}); "
+                             "pass another --output-dir or delete it")
+    if not worker:
+        with open(settings_path, "w") as f:
+            json.dump(sample_settings(args), f, indent=2)
+
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rows_of = {}
+    for spec in args.datasets:
+        try:
+            rows_of[dataset_name(spec)] = load_problems(dataset_source(spec))[: args.limit]
+        except ValueError as e:
+            raise SystemExit(f"error: {e}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: cannot load a tokenizer from {args.model_name_or_path!r}: {str(e).splitlines()[0]}")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    problems = {}  # name -> [(problem row, prompt token ids)], prompts exactly as in training
+    for name, rows in rows_of.items():
+        prompts = [tokenizer(format_prompt(p["problem"], tokenizer), add_special_tokens=False)["input_ids"] for p in rows]
+        problems[name] = list(zip(rows, prompts))
+
+    gpus = visible_gpus()
+    on_gpu = bool(gpus)
+    dp = args.data_parallel_size or max(1, len(gpus) // args.tensor_parallel_size)
+    if dp > 1 and not worker:
+        # data parallel: one copy of this script per group of tensor_parallel_size GPUs, each on every dp-th problem
+        if len(gpus) < dp * args.tensor_parallel_size:
+            raise SystemExit(f"error: --data-parallel-size {dp} x --tensor-parallel-size {args.tensor_parallel_size} "
+                             f"needs {dp * args.tensor_parallel_size} GPUs; {len(gpus)} visible")
+        procs = []
+        for i in range(dp):
+            devices = ",".join(gpus[i * args.tensor_parallel_size : (i + 1) * args.tensor_parallel_size])
+            cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--output-dir", out_dir,
+                   "--shard", str(i), "--num-shards", str(dp)]
+            procs.append(subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": devices}))
+        if any(p.wait() != 0 for p in procs):
+            raise SystemExit("error: a data-parallel worker failed (finished problems are kept; rerun to resume)")
+
+    start = time.time()
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    model = None  # the HF model: entropy, HF generate fallback, protocol export
+    done = read_samples(out_dir, n)
+    # this process's share: every num_shards-th problem of the full ordered list, less those finished
+    work = [(name, p, ids) for name, rows in problems.items() for p, ids in rows]
+    work = [w for j, w in enumerate(work) if j % args.num_shards == args.shard and (w[0], w[1]["index"]) not in done]
+    if work and (dp == 1 or worker):
+        llm = None
+        if args.use_vllm:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            from vllm import LLM
+
+            llm = LLM(
+                model=args.model_name_or_path, dtype="bfloat16" if on_gpu else "float32",
+                max_model_len=args.max_prompt_length + args.max_response_length,
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
+                seed=args.seed, enable_prefix_caching=True,  # the n samples of a problem share its prompt
+                enforce_eager=not on_gpu,  # on CPU, graph compilation costs more start-up than it saves
+                enable_chunked_prefill=None if on_gpu else False,  # vLLM-CPU cannot rewind a seeded sampler
+            )
+        if args.entropy or llm is None:
+            model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device).eval()
+
+        part_path = os.path.join(out_dir, f"samples.part{args.shard}.jsonl")
+        progress = tqdm(total=len(work), desc=f"eval {args.shard}/{args.num_shards}" if worker else "eval", unit="problem")
+        for s in range(0, len(work), args.chunk_problems):
+            chunk = work[s : s + args.chunk_problems]
+            fits = [w for w in chunk if len(w[2]) <= args.max_prompt_length]
+            prompts = [ids for _, _, ids in fits]
+            seeds = [problem_seed(args.seed, name, p["index"]) for name, p, _ in fits]
+            if not fits:
+                outs = []
+            elif llm is not None:
+                outs = generate_vllm(llm, prompts, seeds, args)
+            else:
+                outs = generate_hf(model, tokenizer, prompts, seeds, args, device)
+            flat = [(ids, ids_out, cut) for ids, samples in zip(prompts, outs) for ids_out, cut in samples]
+            entropies = None
+            if args.entropy and flat:
+                entropies = token_entropies(model, [f[0] for f in flat], [f[1] for f in flat], args, device, pad_id)
+            generated = {(name, p["index"]): outs[j] for j, (name, p, _) in enumerate(fits)}
+            lines = []
+            k = 0
+            for name, p, ids in chunk:
+                group = generated.get((name, p["index"]))
+                for j in range(n):
+                    row = {"dataset": name, "index": p["index"], "sample": j, "answer": p["answer"]}
+                    if group is None:  # prompt too long: no sample, graded wrong
+                        row.update(response="", extracted=None, reward=0.0, status="prompt_too_long", length=0,
+                                   truncated=False, entropy=None, token_ids=[])
+                    else:
+                        token_ids, cut = group[j]
+                        response = tokenizer.decode(token_ids, skip_special_tokens=True)
+                        reward, status = grade(response, p["answer"])
+                        e = entropies[k] if entropies is not None else None
+                        row.update(response=response, extracted=last_boxed(response), reward=reward, status=status,
+                                   length=len(token_ids), truncated=cut,
+                                   entropy=float(e.mean()) if e is not None and len(e) else None, token_ids=token_ids)
+                        k += 1
+                    lines.append(json.dumps(row) + "\n")
+            with open(part_path, "a") as f:
+                f.write("".join(lines))  # a chunk at a time: what is on disk is finished
+            progress.update(len(chunk))
+            progress.set_postfix(dataset=chunk[-1][0])
+        progress.close()
+        if llm is not None:
+            del llm
+    if worker:
+        sys.exit(0)
+
+    # merge shard parts into samples.jsonl (test-set order), then report from it
+    done = read_samples(out_dir, n)
+    missing = [(name, p["index"]) for name, rows in problems.items() for p, _ in rows if (name, p["index"]) not in done]
+    if missing:
+        raise SystemExit(f"error: {len(missing)} problems have no samples (e.g. {missing[0]}); rerun to resume")
+    order = {name: i for i, name in enumerate(problems)}
+    rank = lambda r: (order.get(r["dataset"], len(order)), r["dataset"], r["index"], r["sample"])  # noqa: E731
+    merged = sorted((r for g in done.values() for r in g), key=rank)  # sets of earlier runs are kept, last
+    tmp = os.path.join(out_dir, "samples.jsonl.tmp")
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in merged)
+    os.replace(tmp, os.path.join(out_dir, "samples.jsonl"))
+    for name in os.listdir(out_dir):
+        if name.startswith("samples.part"):
+            os.remove(os.path.join(out_dir, name))
+
+    cache = {}
+    per_dataset = {}
+    for name, rows in problems.items():
+        keys = {(name, p["index"]) for p, _ in rows}
+        per_dataset[name] = summarize([r for r in merged if (r["dataset"], r["index"]) in keys], n, cache)
+    metrics = [k for k in next(iter(per_dataset.values())) if k.startswith(("mean@", "pass@", "maj@"))]
+    metrics += ["format_rate", "response_length", "truncation_rate", "entropy"]
+    average = {k: float(np.mean([r[k] for r in per_dataset.values() if r[k] is not None])) for k in metrics
+               if any(r[k] is not None for r in per_dataset.values())}
+    average["problems"] = sum(r["problems"] for r in per_dataset.values())
+    results = {"model": args.model_name_or_path, "settings": {**asdict(args), "n": n}, "datasets": per_dataset,
+               "average": average, "time_s": time.time() - start}
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    table = markdown_table(results, n)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(f"`{args.model_name_or_path}`, {n} sample(s) per problem"
+                + (", greedy" if args.greedy else f", temperature {args.temperature}, top-p {args.top_p}, top-k {args.top_k}")
+                + f", max {args.max_response_length} response tokens\n\n" + table)
+    print(table)
+
+    # the entropy-collapse protocol's files: outputs, per-token entropies, optionally raw logits
+    if args.export_protocol:
+        name = dataset_name(args.protocol_dataset)
+        first = sorted((r for r in merged if r["dataset"] == name and r["sample"] == 0), key=lambda r: r["index"])
+        prompt_of = {p["index"]: ids for p, ids in problems[name]}
+        proto_dir = os.path.join(out_dir, "protocol")
+        os.makedirs(proto_dir, exist_ok=True)
+        import pandas as pd
+
+        outputs = pd.DataFrame({"sample_id": [r["index"] for r in first],
+                                "output": [protocol_output(r["response"]) for r in first]})
+        outputs.to_parquet(os.path.join(proto_dir, f"{name}_outputs.parquet"), index=False)
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device).eval()
+        entropies = token_entropies(model, [prompt_of[r["index"]] for r in first], [r["token_ids"] for r in first],
+                                    args, device, pad_id)
+        pd.DataFrame({"sample_id": [r["index"] for r in first], "entropy": entropies,  # float32 lists
+                      "mean_entropy": [float(e.mean()) if len(e) else None for e in entropies]}
+                     ).to_parquet(os.path.join(proto_dir, f"{name}_entropies.parquet"), index=False)
+        if args.export_logits:
+            logits_dir = os.path.join(proto_dir, f"{name}_logits")
+            os.makedirs(logits_dir, exist_ok=True)
+            print(f"warning: writing full logits to {logits_dir} (vocab {model.config.vocab_size}: "
+                  f"{model.config.vocab_size * 2 / 2**20:.2f} MiB per token)")
+            for r in tqdm(first, desc="logits", unit="sample"):
+                logits = raw_logits(model, prompt_of[r["index"]], r["token_ids"], args.logprob_chunk_size, device)
+                np.save(os.path.join(logits_dir, f"{r['index']}.npy"), logits)
+        print(f"wrote protocol files for {name} to {proto_dir}")

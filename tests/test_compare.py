@@ -1,0 +1,94 @@
+"""benchmarks/compare.py on synthetic run directories: plots, table, seed aggregation and the law fit."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from benchmarks.compare import aggregate, fit_law, law_points, moving_average
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+A, B = 0.6, 1.4  # the law the synthetic runs follow: R = -A exp(H) + B
+
+
+def write_run(root, method, seed, entropy_end, steps=40, extra=None):
+    """A run whose entropy decays from 1.0 to entropy_end and whose accuracies follow the law (plus a little noise)."""
+    rng = np.random.default_rng(seed)
+    path = os.path.join(root, f"{method}__{seed}__1700000000")
+    os.makedirs(path)
+    with open(os.path.join(path, "args.json"), "w") as f:
+        json.dump({"exp_name": method, "seed": seed}, f)
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        for step in range(1, steps + 1):
+            H = entropy_end + (1.0 - entropy_end) * math.exp(-step / 8)
+            acc = -A * math.exp(H) + B + rng.normal(0, 0.005)
+            row = {"step": step, "rollout/reward": acc, "rollout/accuracy": acc, "entropy/full": H, **(extra or {})}
+            f.write(json.dumps(row) + "\n")
+            if step % 5 == 0:  # evaluations are separate rows; this one measured the policy that samples step + 1
+                h_step = step + 1 if step < steps else step  # (compare.py's stand-in for the last, unsampled policy)
+                H_next = entropy_end + (1.0 - entropy_end) * math.exp(-h_step / 8)
+                f.write(json.dumps({"step": step, "eval/acc": -A * math.exp(H_next) + B}) + "\n")
+    return path
+
+
+def test_compare_writes_plots_and_table(tmp_path):
+    runs = tmp_path / "runs"
+    write_run(runs, "grpo_vanilla", 1, 0.1)
+    write_run(runs, "grpo_vanilla", 2, 0.2)
+    write_run(runs, "grpo_aent", 1, 0.5, extra={"entropy/coef": 0.002, "entropy/clamped": 0.3})
+    write_run(runs, "grpo_aent", 2, 0.5, extra={"entropy/coef": 0.003, "entropy/clamped": 0.3})
+    write_run(runs, "grpo_klcov", 1, 0.6, extra={"cov/selected_frac": 2e-3})
+    out = tmp_path / "compare"
+    proc = subprocess.run([sys.executable, "benchmarks/compare.py", "--runs", str(runs / "*"), "--output-dir", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("entropy.png", "reward.png", "eval_acc.png", "law.png", "aent.png", "cov.png"):
+        with open(out / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+    table = (out / "compare.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| grpo_")]
+    assert [r.split(" | ")[0] for r in rows] == ["| grpo_vanilla", "| grpo_aent", "| grpo_klcov"]  # baseline first
+    summary = json.loads((out / "compare.json").read_text())
+    assert summary["law_metric"] == "eval/acc"
+    methods = summary["methods"]
+    assert methods["grpo_vanilla"]["seeds"] == [1, 2] and methods["grpo_vanilla"]["entropy_retained"] == pytest.approx(1.0)
+    assert methods["grpo_aent"]["entropy_retained"] > 2  # final entropy ~0.5 against vanilla's ~0.15
+    for m in methods.values():  # the evaluations follow the law exactly and are paired with the right entropy
+        assert m["a"] == pytest.approx(A, rel=1e-6) and m["b"] == pytest.approx(B, rel=1e-6)
+        assert m["ceiling"] == pytest.approx(B - A, rel=1e-6)
+    assert methods["grpo_vanilla"]["final_eval_acc"][0] == pytest.approx(-A * math.exp(0.1 + 0.9 * math.exp(-40 / 8)) + B)
+
+
+def test_compare_without_runs_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/compare.py", "--runs", str(tmp_path / "*")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_law_fit_recovers_a_and_b():
+    H = np.linspace(0.05, 1.5, 30)
+    assert fit_law(H, -0.8 * np.exp(H) + 1.7) == pytest.approx((0.8, 1.7))
+    noisy = -0.8 * np.exp(H) + 1.7 + np.random.default_rng(0).normal(0, 0.01, H.shape)
+    a, b = fit_law(H, noisy)
+    assert abs(a - 0.8) < 0.03 and abs(b - 1.7) < 0.05
+    assert all(math.isnan(x) for x in fit_law([0.3, 0.3], [0.5, 0.6]))  # one entropy value: no fit
+
+
+def test_law_points_pair_an_evaluation_with_the_next_steps_entropy():
+    rows = [{"step": 0, "eval/acc": 0.1}, {"step": 1, "entropy/full": 1.0}, {"step": 2, "entropy/full": 0.8},
+            {"step": 2, "eval/acc": 0.3}, {"step": 3, "entropy/full": 0.6}, {"step": 3, "eval/acc": 0.4}]
+    H, R = law_points(rows, "eval/acc", "entropy/full")
+    assert H.tolist() == [1.0, 0.6, 0.6] and R.tolist() == [0.1, 0.3, 0.4]  # the last one has no next step
+    H, R = law_points(rows, "entropy/full", "entropy/full")
+    assert H.tolist() == R.tolist() == [1.0, 0.8, 0.6]
+
+
+def test_aggregate_over_seeds_with_different_steps():
+    runs = [{"rows": [{"step": 1, "x": 1.0}, {"step": 2, "x": 3.0}]}, {"rows": [{"step": 1, "x": 2.0}]}]
+    steps, mean, lo, hi = aggregate(runs, "x")
+    assert steps.tolist() == [1, 2] and mean.tolist() == [1.5, 3.0] and lo.tolist() == [1.0, 3.0] and hi.tolist() == [2.0, 3.0]
+    assert aggregate(runs, "missing") is None
+    assert moving_average(np.array([1.0, 3.0, 5.0, 7.0]), 2).tolist() == [1.0, 2.0, 4.0, 6.0]

