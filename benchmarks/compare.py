@@ -124,6 +124,11 @@ def run_summary(run: dict, args: Args) -> dict:
     steps, values = series(run["rows"], "eval/acc")
     if len(values):
         out["final_eval_acc"], out["best_eval_acc"] = values[-1], values.max()
+    results = os.path.join(run["path"], "eval", "results.json")  # benchmarks/eval.py on the final model, if run
+    if os.path.isfile(results):
+        with open(results) as f:
+            average = json.load(f)["average"]
+        out["benchmark_acc"] = next((v for k, v in average.items() if k.startswith("mean@")), None)
     return out
 
 
@@ -202,13 +207,13 @@ if __name__ == "__main__":
 
     colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
     E = args.entropy_metric
-    cov_keys = sorted({k for r in runs for row in r["rows"] for k in row if k.startswith("cov/")})
     figures = {
         "entropy.png": [(E, f"{E} (nats)")],
         "reward.png": [("rollout/reward", "rollout/reward"), ("rollout/accuracy", "rollout/accuracy")],
         "eval_acc.png": [("eval/acc", "eval/acc")],
         "aent.png": [("entropy/coef", "AEnt coefficient"), ("entropy/clamped", "clamped entropy (nats)")],
-        "cov.png": [(k, k) for k in cov_keys],
+        "cov.png": [("cov/selected_frac", "Cov: fraction of tokens selected"),
+                    ("cov/selected_mean", "Cov: mean covariance of the selected")],
     }
     written = [name for name, panels in figures.items()
                if plot_curves(plt, os.path.join(args.output_dir, name), groups, colors, panels, args.smooth)]
@@ -228,13 +233,13 @@ if __name__ == "__main__":
     base = [s.get("final_entropy") for s in summaries.get(args.baseline, [])]
     base_entropy = np.mean(base) if base and None not in base else None
     header = ["method", "seeds", "steps", "final reward", "best reward", "final eval acc", "best eval acc",
-              "final entropy", f"entropy retained vs {args.baseline}", "a", "b", "ceiling -a+b"]
+              "final entropy", f"entropy retained vs {args.baseline}", "a", "b", "ceiling -a+b", "benchmarks mean@k"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     table = {}
     for m in methods:
         s = summaries[m]
         col = {k: [x.get(k) for x in s] for k in ("steps", "final_reward", "best_reward", "final_eval_acc",
-                                                   "best_eval_acc", "final_entropy")}
+                                                   "best_eval_acc", "final_entropy", "benchmark_acc")}
         entropies = [e for e in col["final_entropy"] if e is not None]
         retained = np.mean(entropies) / base_entropy if entropies and base_entropy else None
         a, b = fits[m]
@@ -242,11 +247,13 @@ if __name__ == "__main__":
                     "entropy_retained": retained, "a": a, "b": b, "ceiling": b - a}
         cells = [m, str(len(s)), fmt(col["steps"], 0), fmt(col["final_reward"]), fmt(col["best_reward"]),
                  fmt(col["final_eval_acc"]), fmt(col["best_eval_acc"]), fmt(col["final_entropy"]),
-                 "-" if retained is None else f"{retained:.2f}x", fmt([a]), fmt([b]), fmt([b - a])]
+                 "-" if retained is None else f"{retained:.2f}x", fmt([a]), fmt([b]), fmt([b - a]),
+                 fmt(col["benchmark_acc"])]
         lines.append("| " + " | ".join(cells) + " |")
     notes = (f"\nFinal/best reward and entropy: mean of the last {args.final_window} steps / best {args.final_window}-step "
              f"moving average; eval acc: last / best evaluation; ranges are min-max over seeds. Law fitted on "
-             f"({E}, {metric}) pairs of every step of every seed.\n")
+             f"({E}, {metric}) pairs of every step of every seed. Benchmarks: benchmarks/eval.py's mean@k averaged "
+             f"over its sets, from <run>/eval/results.json when present.\n")
     markdown = "\n".join(lines) + "\n" + notes + "".join(f"\n![{n}]({n})\n" for n in written)
     with open(os.path.join(args.output_dir, "compare.md"), "w") as f:
         f.write(markdown)

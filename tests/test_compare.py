@@ -1,12 +1,16 @@
 """benchmarks/compare.py on synthetic run directories: plots, table, seed aggregation and the law fit."""
+import glob
+import importlib
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+import tyro
 
 from benchmarks.compare import aggregate, fit_law, law_points, moving_average
 
@@ -40,7 +44,10 @@ def test_compare_writes_plots_and_table(tmp_path):
     write_run(runs, "grpo_vanilla", 2, 0.2)
     write_run(runs, "grpo_aent", 1, 0.5, extra={"entropy/coef": 0.002, "entropy/clamped": 0.3})
     write_run(runs, "grpo_aent", 2, 0.5, extra={"entropy/coef": 0.003, "entropy/clamped": 0.3})
-    write_run(runs, "grpo_klcov", 1, 0.6, extra={"cov/selected_frac": 2e-3})
+    klcov = write_run(runs, "grpo_klcov", 1, 0.6, extra={"cov/selected_frac": 2e-3})
+    os.makedirs(os.path.join(klcov, "eval"))  # benchmarks/eval.py's results on the final model
+    with open(os.path.join(klcov, "eval", "results.json"), "w") as f:
+        json.dump({"average": {"mean@4": 0.4321, "pass@4": 0.6}}, f)
     out = tmp_path / "compare"
     proc = subprocess.run([sys.executable, "benchmarks/compare.py", "--runs", str(runs / "*"), "--output-dir", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -51,6 +58,7 @@ def test_compare_writes_plots_and_table(tmp_path):
     table = (out / "compare.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| grpo_")]
     assert [r.split(" | ")[0] for r in rows] == ["| grpo_vanilla", "| grpo_aent", "| grpo_klcov"]  # baseline first
+    assert rows[2].endswith("| 0.432 |") and rows[0].endswith("| - |")
     summary = json.loads((out / "compare.json").read_text())
     assert summary["law_metric"] == "eval/acc"
     methods = summary["methods"]
@@ -60,6 +68,34 @@ def test_compare_writes_plots_and_table(tmp_path):
         assert m["a"] == pytest.approx(A, rel=1e-6) and m["b"] == pytest.approx(B, rel=1e-6)
         assert m["ceiling"] == pytest.approx(B - A, rel=1e-6)
     assert methods["grpo_vanilla"]["final_eval_acc"][0] == pytest.approx(-A * math.exp(0.1 + 0.9 * math.exp(-40 / 8)) + B)
+
+
+SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "reproduce", "*.sh")))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[os.path.basename(s) for s in SCRIPTS])
+def test_reproduction_scripts_pass_valid_flags(script):
+    """Every command a reproduction script launches parses with its script's Args and passes its checks."""
+    import benchmarks.compare
+    import benchmarks.eval
+
+    proc = subprocess.run(["bash", script], env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    commands = [shlex.split(line) for line in proc.stdout.splitlines()]
+    methods = [next((i for i, t in enumerate(c) if t.startswith("grpo_") and t.endswith(".py")), None) for c in commands]
+    assert {c[i] for c, i in zip(commands, methods) if i} == {"grpo_vanilla.py", "grpo_aent.py", "grpo_klcov.py", "grpo_clipcov.py"}
+    for c, i in zip(commands, methods):
+        if i is not None:
+            world_size = int(c[c.index("--num_gpus") + 1]) if c[0] == "deepspeed" else int(c[c.index("--nproc_per_node") + 1])
+            if not os.path.exists(os.path.join(ROOT, c[i])):
+                continue  # a method not in this checkout yet
+            module = importlib.import_module(c[i][: -len(".py")])
+            module.validate_args(tyro.cli(module.Args, args=c[i + 1 :]), world_size=world_size)
+        elif c[1] == "benchmarks/eval.py":
+            benchmarks.eval.validate_args(tyro.cli(benchmarks.eval.Args, args=c[2:]))
+        else:
+            assert c[1] == "benchmarks/compare.py", c
+            tyro.cli(benchmarks.compare.Args, args=c[2:])
 
 
 def test_compare_without_runs_is_one_line(tmp_path):

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# AEnt's MATH run ("On Entropy Control in LLM-RL Algorithms", arXiv 2509.03493): Qwen2.5-Math-1.5B on MATH,
+# 512 prompts x 16 samples per step, 1024 / 3072 prompt / response tokens. All four methods x seeds, then evaluation
+# of every final model with the paper's evaluation settings and the comparison (plots, table, entropy-performance law).
+# Settings: ../shared/notes/methods.md. The paper used 4 GPUs; the scripts' results do not depend on the GPU count.
+#
+#   bash benchmarks/reproduce/aent_math_qwen2.5_math_1.5b.sh               # everything, one run after another
+#   DRY_RUN=1 bash benchmarks/reproduce/aent_math_qwen2.5_math_1.5b.sh     # print the commands only
+#   SEEDS="1" METHODS="grpo_vanilla grpo_aent" NUM_GPUS=4 bash ...         # a subset
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+SEEDS=${SEEDS:-"1 2 3"}
+METHODS=${METHODS:-"grpo_vanilla grpo_aent grpo_klcov grpo_clipcov"}
+NUM_GPUS=${NUM_GPUS:-8}
+TOTAL_STEPS=${TOTAL_STEPS:-500}  # not given in methods.md: set it to your budget
+DATASET=${DATASET:-DigitalLearningGmbH/MATH-lighteval}  # MATH train (7,500 problems; answers from the \boxed{} solutions)
+OUT=${OUT:-runs/aent_math_qwen2.5_math_1.5b}
+export WANDB_TAGS="aent_math_qwen2.5_math_1.5b,$(git rev-parse --short HEAD 2>/dev/null || echo nogit)"
+
+run() {  # run a command, or only print it with DRY_RUN=1
+  if [ -n "${DRY_RUN:-}" ]; then printf '%q ' "$@"; echo; else "$@"; fi
+}
+
+# shared by every method: the paper's MATH run (no KL to a reference, PPO clip 0.2, gradient checkpointing)
+COMMON=(
+  --model-name-or-path Qwen/Qwen2.5-Math-1.5B --dataset "$DATASET"
+  --eval-dataset benchmarks/data/math500.jsonl --eval-every 10
+  --output-dir "$OUT" --total-steps "$TOTAL_STEPS" --track --wandb-project-name grpo-entropy
+  --num-prompts-per-step 512 --group-size 16 --max-prompt-length 1024 --max-response-length 3072
+  --temperature 1.0 --learning-rate 2e-6 --num-mini-batches 4 --num-epochs 1
+  --kl-coef 0 --gradient-checkpointing --vllm-gpu-memory-utilization 0.55
+)
+method_flags() {
+  case "$1" in
+    grpo_vanilla) echo "--clip-eps-low 0.2 --clip-eps-high 0.2" ;;
+    # coef_0, clamp_p, target box of the clamped entropy, coefficient step size and warm-up, coefficient clip
+    grpo_aent) echo "--clip-eps-low 0.2 --clip-eps-high 0.2 --clamp-p 0.33 --entropy-coef 0.002
+                     --entropy-low 0.15 --entropy-high 0.24 --entropy-coef-lr 0.002 --entropy-coef-warmup 30
+                     --entropy-coef-min 6e-4 --entropy-coef-max 9e-3" ;;
+    # the Cov paper's 7B defaults (it has no 1.5B setting); KL-Cov uses no PPO clipping
+    grpo_klcov) echo "--kl-cov-ratio 2e-3 --ppo-kl-coef 1" ;;
+    grpo_clipcov) echo "--clip-cov-ratio 2e-4 --clip-cov-lb 1 --clip-cov-ub 5 --clip-eps-low 1 --clip-eps-high 1" ;;
+    *) echo "unknown method $1" >&2; exit 1 ;;
+  esac
+}
+
+for method in $METHODS; do
+  for seed in $SEEDS; do
+    # shellcheck disable=SC2046  # the method's flags are split on purpose
+    run deepspeed --num_gpus "$NUM_GPUS" "$method.py" "${COMMON[@]}" $(method_flags "$method") --seed "$seed"
+  done
+done
+
+# evaluation of every final model: the paper's settings (temperature 0.6, top-p 0.95, top-k 20, n = 4), its sets
+# that are vendored here (MATH-Hard is not), plus GSM8K
+finals=("$OUT"/*/final)
+[ -e "${finals[0]}" ] || finals=("$OUT/<run_name>/final")  # (dry run before training)
+for final in "${finals[@]}"; do
+  run python benchmarks/eval.py --model-name-or-path "$final" --output-dir "${final%/final}/eval" \
+    --datasets math500 aime24 amc23 minerva_math olympiadbench gsm8k \
+    --n 4 --temperature 0.6 --top-p 0.95 --top-k 20 --max-prompt-length 1024 --max-response-length 3072
+done
+run python benchmarks/compare.py --runs "$OUT/*" --output-dir "$OUT/compare" --baseline grpo_vanilla
