@@ -139,15 +139,19 @@ def test_resume_keeps_finished_problems_and_resamples_identically(evaluated, tmp
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
-def test_hf_generate_fallback(testbed, tmp_path):
+def test_hf_generate_fallback_matches_the_testbeds_own_measurement(testbed, tmp_path):
+    """Greedy HF generate over the testbed's whole test set: the accuracy and entropy utils/testbed.py measured itself."""
     out = str(tmp_path)
-    run_eval(["--model-name-or-path", testbed.model_dir, "--datasets", testbed.test_file, "--limit", "4",
-              "--greedy", "--no-use-vllm", "--output-dir", out, *LENGTHS])
+    run_eval(["--model-name-or-path", testbed.model_dir, "--datasets", testbed.test_file, "--greedy", "--no-use-vllm",
+              "--hf-batch-size", "64", "--output-dir", out, "--max-prompt-length", "128", "--max-response-length", "16"])
     rows = read_jsonl(os.path.join(out, "samples.jsonl"))
-    assert [(r["index"], r["sample"]) for r in rows] == [(i, 0) for i in range(4)]
-    assert all((r["reward"], r["status"]) == grade(r["response"], r["answer"]) for r in rows)
+    assert [(r["index"], r["sample"]) for r in rows] == [(i, 0) for i in range(len(rows))]
+    assert all((r["reward"], r["status"]) == grade(r["response"], r["answer"]) for r in rows[:50])
     with open(os.path.join(out, "results.json")) as f:
-        assert json.load(f)["datasets"]["test"]["problems"] == 4
+        test = json.load(f)["datasets"]["test"]
+    assert test["problems"] == len(rows) == len(load_problems(testbed.test_file))
+    assert test["mean@1"] == pytest.approx(testbed.stats["greedy_accuracy"], abs=0.01)
+    assert test["entropy"] == pytest.approx(testbed.stats["greedy_entropy"], rel=0.02)
 
 
 @pytest.mark.parametrize("flags", [["--datasets", "no_such_set.jsonl"], ["--model-name-or-path", "/no/such/model"],
