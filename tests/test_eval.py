@@ -150,8 +150,9 @@ def test_hf_generate_fallback_matches_the_testbeds_own_measurement(testbed, tmp_
     with open(os.path.join(out, "results.json")) as f:
         test = json.load(f)["datasets"]["test"]
     assert test["problems"] == len(rows) == len(load_problems(testbed.test_file))
-    assert test["mean@1"] == pytest.approx(testbed.stats["greedy_accuracy"], abs=0.01)
-    assert test["entropy"] == pytest.approx(testbed.stats["greedy_entropy"], rel=0.02)
+    seen = (test, {k: testbed.stats[k] for k in ("greedy_accuracy", "greedy_entropy")})
+    assert test["mean@1"] == pytest.approx(testbed.stats["greedy_accuracy"], abs=0.01), seen
+    assert test["entropy"] == pytest.approx(testbed.stats["greedy_entropy"], rel=0.02), seen
 
 
 @pytest.mark.parametrize("flags", [["--datasets", "no_such_set.jsonl"], ["--model-name-or-path", "/no/such/model"],
