@@ -2,6 +2,7 @@
 
 import json
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -126,3 +127,10 @@ def test_restores_caller_alarm():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_first_grade_in_a_fresh_process_does_not_pay_the_import_against_its_budget():
+    """math-verify's import (~1 s) happens before the timer is armed: a correct first answer is not a timeout."""
+    code = "from utils.reward import grade; print(grade('so \\\\boxed{2}', '2', timeout=0.3))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "(1.0, 'ok')", out.stderr[-2000:]

@@ -89,6 +89,7 @@ def _verify(content: str, answer: str) -> tuple[float, str]:
 
 def _verify_with_alarm(content: str, answer: str, timeout: float) -> tuple[float, str]:
     """_verify under one wall-clock budget from an interval timer (main thread only); restores any previous timer."""
+    _math_verify()  # the first import takes ~0.5-1.5 s: not part of any answer's budget
     start = time.monotonic()
     previous_handler = signal.signal(signal.SIGALRM, _on_alarm)
     previous_delay, previous_interval = signal.setitimer(signal.ITIMER_REAL, max(timeout, 1e-3))  # 0 would disarm
