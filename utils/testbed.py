@@ -1,27 +1,32 @@
 """A laptop-scale stand-in for real GRPO runs: tiny Qwen2 + tokenizer + synthetic arithmetic, built offline.
 
-`build_testbed()` builds (once, cached on disk) everything a GRPO script needs to run on a 2-core CPU:
-a byte-level BPE tokenizer, a ~0.5M-parameter Qwen2 model warmed up by a short SFT phase so that the base policy has
-partial accuracy, and train/test jsonl files of problems. CLI: `python -m utils.testbed [--out DIR] [--force]`.
+`build_testbed()` builds once, and caches on disk, what a GRPO script needs on a 2-core CPU: a byte-level BPE
+tokenizer (Qwen2Tokenizer, ChatML), a 1.3M-parameter Qwen2 (hidden 256, 2 layers, 8 heads of 32, fp32) warmed up
+by a short SFT so the base policy is right about a third of the time at T=1, and train/test jsonl files
+("problem", "answer"). CLI: `python -m utils.testbed [--out DIR] [--force]` prints the paths and base stats.
 
-Task: "What is 37 + 48?" / "What is 91 - 56?" with a, b in [10, 99] (a >= b for -), answer 20..198 or 0..89.
-The SFT target is only the boxed answer, `\\boxed{85}<|im_end|>`: 5-6 tokens, 2-3 of them answer digits.
-Why so short: a prototype with a one-line working ("37 + 48 = 85, so the answer is \\boxed{85}", ~22 tokens)
-spent ~20 tokens copying a template, so the response-mean entropy (~0.1 nats) was mostly dilution and GRPO needed
-~70 steps to move it. Here roughly half of the response tokens are genuinely uncertain digits, so the token
-entropy that GRPO collapses is the answer's uncertainty itself, and generation is a handful of tokens per sample.
-The model ignores the prompt's "reason step by step"; the reward (math-verify on the last \\boxed{}) does not care.
+Task: "What is 37 + 48?" / "What is 91 - 56?" with a, b in [10, 99] (a >= b for -): 12,195 problems.
+The SFT target is only the boxed answer, `\\boxed{85}<|im_end|>`: 6-7 tokens, of which the 2-3 digits are the
+uncertain ones. Why so short: a prototype whose target was a worked line ("37 + 48 = 85, so the answer is
+\\boxed{85}", ~22 tokens) spent ~20 tokens copying a template, so its response-mean entropy (~0.1 nats) was
+mostly dilution and moved slowly under GRPO. Here the mean token entropy (~0.3 nats) is the answer's own
+uncertainty, and a rollout is a handful of tokens. The model ignores the prompt's "reason step by step"; the reward
+(math-verify on the last \\boxed{}) does not need it. Digits are single tokens (Qwen2's splitting rules), so the
+model must learn the carry to get the leading digit right: this is what SFT is stopped in the middle of.
 
-Splits (disjoint): SFT problems (only used here), a dev slice (picks the SFT checkpoint), `train.jsonl` (for GRPO)
-and `test.jsonl`. The SFT set is disjoint from train/test so that base accuracy on train and test is the same.
+Splits (disjoint): SFT problems (used only here), a dev slice (picks the SFT checkpoint), train.jsonl (4,000, for
+GRPO) and test.jsonl (500). SFT never sees train or test, so the base accuracy is the same on both.
 
-SFT stops by measurement, not by a step count: every `eval_every` steps the sampled accuracy (T=1, top_k=0,
-top_p=1) on the dev slice is measured, and the checkpoint closest to `target_acc` inside [min_acc, max_acc] is
-kept (the accuracy climbs from ~0 to ~100% within a few hundred steps, so the window is narrow).
+SFT stops by measurement, not by a step count: every `eval_every` steps it computes, from one forward pass, the
+dev set's expected sampled accuracy at T=1 (mean probability of sampling the exact target: no sampling noise) and
+keeps the checkpoint closest to `target_acc` inside [min_acc, max_acc]; accuracy climbs from ~5% to ~50% within
+~100 steps, so the window is narrow. The kept model is then measured on test.jsonl with HF generate (8 samples per
+prompt at T=1, top_k=0, top_p=1, and greedy) into stats.json.
 
-Determinism: everything is seeded and built on `num_threads` torch threads; the same seed on the same machine gives
-the same weights (`stats.json` records their sha256). Other CPUs or thread counts may differ in the last bits and
-hence in the chosen checkpoint. Bump `VERSION` whenever the recipe changes, so stale caches are not reused.
+Determinism: everything is seeded and SFT runs on `num_threads` torch threads; the same recipe on the same machine
+gives the same weights (stats.json records their sha256). Another thread count or CPU may change the last bits and
+hence the chosen checkpoint. Bump VERSION whenever the recipe changes (a cache made by another VERSION or recipe is
+rebuilt anyway).
 """
 
 import argparse
@@ -38,7 +43,7 @@ import shutil
 import tempfile
 import time
 
-VERSION = "testbed-v1"
+VERSION = "testbed-v2"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: pad, -, eos
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -53,13 +58,15 @@ class Recipe:
     """Everything that determines the build. Changing a default here means bumping VERSION."""
 
     seed: int = 0
-    num_threads: int = 2
-    """torch threads while building (results are reproducible for a fixed thread count)"""
+    num_threads: int = 1
+    """torch threads while building (the weights depend on it): 2 threads were ~1.8x faster on 2 idle cores but 4-6x
+    slower than 1 whenever other processes shared the cores (OpenMP threads wait on each other)"""
     n_test: int = 500
     n_train: int = 4000
     n_dev: int = 256
     vocab_size: int = 400
-    """BPE vocabulary cap incl. 256 bytes + 3 special tokens (the task text saturates at 334; config pads to 64k)"""
+    """BPE vocabulary cap incl. 256 bytes + 3 special tokens (the task text saturates at 334; the config pads the
+    embedding to a multiple of 64)"""
     hidden_size: int = 256
     num_layers: int = 2
     num_heads: int = 8
@@ -142,7 +149,8 @@ def qwen2_pre_tokenizer():
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     split = pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False)
-    return normalizers.NFC(), pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return normalizers.NFC(), pre_tokenizers.Sequence([split, byte_level])
 
 
 def chatml(prompt_content: str, response: str) -> str:
@@ -242,9 +250,10 @@ def sft_batch(seqs, prompt_lens, idx, pad_id):
 
 def measure(model, tok, rows: list[dict], sample: bool, seed: int = 0, n_samples: int = 1,
             max_new_tokens: int = 16, batch_size: int = 256) -> dict:
-    """Accuracy (exact match of the last boxed answer: math-verify agrees on integers), mean response-token entropy (nats, token mean, incl. eos),
-    mean response length and truncation rate (no eos within max_new_tokens) of HF generate at T=1
-    (top_k=0, top_p=1) or greedy. Also the fraction of prompts whose n_samples are all right or all wrong."""
+    """HF generate at T=1 (top_k=0, top_p=1) or greedy: accuracy (exact match of the last boxed answer; math-verify
+    agrees on integers), mean response-token entropy (nats, token mean, eos included), mean response length,
+    truncation rate (no eos within max_new_tokens), and the fraction of prompts whose n_samples are all right or
+    all wrong (zero-advantage GRPO groups)."""
     import torch
 
     from utils.data import format_prompt
@@ -305,7 +314,8 @@ def teacher_forced(model, tok, seqs, prompt_lens, batch_size: int = 256) -> dict
             greedy += ((logp.argmax(-1) == labels) | ~m).all(1).tolist()
             ent_sum += float((-(logp.exp() * logp).sum(-1) * m).sum())
             n_tok += int(m.sum())
-    return {"expected_acc": sum(p_seq) / len(p_seq), "greedy_acc": sum(greedy) / len(greedy), "entropy": ent_sum / n_tok}
+    n = len(p_seq)
+    return {"expected_acc": sum(p_seq) / n, "greedy_acc": sum(greedy) / n, "entropy": ent_sum / n_tok}
 
 
 def sft(model, tok, sft_rows, dev_rows, r: Recipe, log=print, max_steps: int | None = None) -> dict:
@@ -450,8 +460,8 @@ def _quiet_and_isolated(num_threads: int):
 
 def build_testbed(cache_dir: str | None = None, force: bool = False, recipe: Recipe | None = None,
                   log=print) -> Testbed:
-    """The testbed in `cache_dir` (default: $GRPO_TESTBED_DIR or ~/.cache/grpo-entropy/testbed-v1), built first if
-    missing or `force` (1-2 min on 2 idle cores). Concurrent callers wait on a file lock; a build goes to a temp dir
+    """The testbed in `cache_dir` (default: $GRPO_TESTBED_DIR or ~/.cache/grpo-entropy/<VERSION>), built first if
+    missing or `force` (~2 min on an idle core). Concurrent callers wait on a file lock; a build goes to a temp dir
     renamed into place with stats.json written last, so a cache dir is either complete or ignored and rebuilt."""
     r = recipe or Recipe()
     cache_dir = os.path.abspath(os.path.expanduser(cache_dir or default_cache_dir()))
@@ -481,7 +491,7 @@ def build_testbed(cache_dir: str | None = None, force: bool = False, recipe: Rec
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="cache dir (default $GRPO_TESTBED_DIR or ~/.cache/grpo-entropy/...)")
+    parser.add_argument("--out", default=None, help=f"cache dir (default $GRPO_TESTBED_DIR or {default_cache_dir()})")
     parser.add_argument("--force", action="store_true", help="rebuild even if a complete build exists")
     args = parser.parse_args()
     tb = build_testbed(args.out, force=args.force)
