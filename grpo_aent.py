@@ -1,11 +1,13 @@
 # AEnt: GRPO + clamped entropy bonus with an adaptive, globally synchronised coefficient (arXiv 2509.03493); docs: README.md
 import importlib
+import importlib.metadata
 import json
 import math
 import os
 import random
 import shutil
 import signal
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional
@@ -38,6 +40,10 @@ class Args:
     """the wandb's project name"""
     wandb_entity: Optional[str] = None
     """the entity (team) of wandb's project"""
+    wandb_group: Optional[str] = None
+    """the wandb run group (default: exp_name, i.e. the method)"""
+    wandb_tags: tuple[str, ...] = ()
+    """extra wandb tags, next to the method, the git commit and the comma-separated $WANDB_TAGS"""
     output_dir: str = "runs"
     """runs/<run_name>/ receives metrics.jsonl, args.json, checkpoints/ and final/"""
     local_rank: int = -1
@@ -94,6 +100,8 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """the maximum norm for gradient clipping"""
+    max_bad_steps: int = 3
+    """abort after this many consecutive steps with a non-finite gradient (DeepSpeed skips those updates on every rank)"""
     num_mini_batches: int = 4
     """optimizer updates per rollout batch and epoch (the batch is split into this many mini-batches)"""
     num_epochs: int = 1
@@ -150,12 +158,16 @@ class Args:
     """keep only the newest this many checkpoints"""
     resume: Optional[str] = None
     """resume from a run directory (its newest complete checkpoint) or a checkpoint directory"""
+    resume_allow_changes: bool = False
+    """resume even if training settings differ from the checkpoint's (refused by default, naming them)"""
 
     # filled in at runtime
     world_size: int = 0
     """the number of processes"""
     run_name: str = ""
     """{exp_name}__{seed}__{unix time}, or the resumed run's name"""
+    git_commit: str = ""
+    """short hash of the code's commit, "-dirty" with uncommitted changes"""
 
 
 def validate_args(args: Args, world_size: int) -> None:
@@ -172,6 +184,7 @@ def validate_args(args: Args, world_size: int) -> None:
         (args.warmup_steps >= 0, f"--warmup-steps must be >= 0 (got {args.warmup_steps})"),
         (args.weight_decay >= 0, f"--weight-decay must be >= 0 (got {args.weight_decay})"),
         (args.max_grad_norm > 0, f"--max-grad-norm must be > 0 (got {args.max_grad_norm})"),
+        (args.max_bad_steps >= 1, f"--max-bad-steps must be >= 1 (got {args.max_bad_steps})"),
         (args.clip_eps_low > 0, f"--clip-eps-low must be > 0 (got {args.clip_eps_low})"),
         (args.clip_eps_high > 0, f"--clip-eps-high must be > 0 (got {args.clip_eps_high})"),
         (args.kl_coef >= 0, f"--kl-coef must be >= 0 (got {args.kl_coef})"),
@@ -514,6 +527,34 @@ def lr_lambda(args: Args, updates_per_step: int):
     return factor
 
 
+def git_commit() -> str:
+    """Short hash of the checkout this script runs from, with "-dirty" if tracked files changed ("unknown" outside git)."""
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+# settings that may differ on resume: bookkeeping, and layout/memory choices that leave the trajectory unchanged
+RESUME_MAY_CHANGE = {
+    "track", "wandb_project_name", "wandb_entity", "wandb_group", "wandb_tags", "output_dir", "local_rank", "resume",
+    "resume_allow_changes", "world_size", "run_name", "git_commit", "total_steps", "save_every", "keep_checkpoints",
+    "eval_dataset", "eval_every", "eval_num_prompts", "micro_batch_size", "logprob_chunk_size", "offload",
+    "gradient_checkpointing", "vllm_gpu_memory_utilization", "vllm_sleep_level", "max_bad_steps",
+}
+
+
+def changed_settings(saved: dict, current: dict) -> list:
+    """The training settings of `current` that differ from a checkpoint's `saved` args, as "--flag old -> new"."""
+    return [
+        f"--{key.replace('_', '-')} {saved[key]!r} -> {value!r}"
+        for key, value in current.items()
+        if key in saved and key not in RESUME_MAY_CHANGE and saved[key] != value
+    ]
+
+
 def latest_checkpoint(path: str) -> Optional[str]:
     """The newest complete checkpoint under a run directory, or `path` itself if it is a checkpoint."""
     if os.path.exists(os.path.join(path, "trainer_state.json")):
@@ -523,8 +564,17 @@ def latest_checkpoint(path: str) -> Optional[str]:
     return os.path.join(root, done[-1]) if done else None
 
 
-def save_checkpoint(engine, run_dir: str, step: int, state: dict, keep: int, rank: int) -> None:
-    """Write a checkpoint to a temporary directory, then rename it: a crash never leaves a partial step_* dir."""
+def save_checkpoint(engine, run_dir: str, step: int, method_state: dict, args: Args, rank: int) -> None:
+    """Write a checkpoint to a temporary directory, then rename it: a crash never leaves a partial step_* dir.
+
+    Every rank must hold the same step and method state (checked here); older checkpoints are rotated only after
+    the new one is complete.
+    """
+    state = json.dumps({"step": step, "method_state": method_state}, sort_keys=True)
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    if len(set(states)) > 1:
+        raise RuntimeError(f"ranks disagree on the training state at step {step}: {sorted(set(states))}")
     root = os.path.join(run_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step_{step:07d}"), os.path.join(root, f".tmp_step_{step:07d}")
     if rank == 0:
@@ -533,14 +583,19 @@ def save_checkpoint(engine, run_dir: str, step: int, state: dict, keep: int, ran
     dist.barrier()
     engine.save_checkpoint(tmp, tag="state")
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    torch.save(rng, os.path.join(tmp, f"rng_rank{rank}.pt"))
+    torch.save({"state": state, **rng}, os.path.join(tmp, f"rng_rank{rank}.pt"))
     dist.barrier()
     if rank == 0:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"step": step, **state}, f)
+            json.dump({"step": step, "method_state": method_state, "args": asdict(args)}, f)
+        replaced = os.path.join(root, f".old_step_{step:07d}")
+        shutil.rmtree(replaced, ignore_errors=True)
+        if os.path.exists(final):  # resumed from an older checkpoint: this step is written again
+            os.replace(final, replaced)
         os.replace(tmp, final)
-        for old in sorted(d for d in os.listdir(root) if d.startswith("step_"))[:-keep]:
+        for old in sorted(d for d in os.listdir(root) if d.startswith("step_"))[: -args.keep_checkpoints]:
             shutil.rmtree(os.path.join(root, old))
+        shutil.rmtree(replaced, ignore_errors=True)
     dist.barrier()
 
 
@@ -550,7 +605,7 @@ if __name__ == "__main__":
         os.environ.setdefault(key, default)  # lets `python grpo_vanilla.py` run as a single process
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     validate_args(args, world_size)
-    args.world_size = world_size
+    args.world_size, args.git_commit = world_size, git_commit()
 
     accelerator = get_accelerator()
     on_gpu = accelerator.device_name() != "cpu"
@@ -568,6 +623,14 @@ if __name__ == "__main__":
     if resume_from:
         run_dir = os.path.dirname(os.path.dirname(os.path.abspath(resume_from)))
         args.run_name = os.path.basename(run_dir)
+        with open(os.path.join(resume_from, "trainer_state.json")) as f:
+            trainer_state = json.load(f)
+        if trainer_state.get("args", {}).get("world_size", world_size) != world_size:  # ZeRO partitions by world size
+            raise SystemExit(f"error: --resume {args.resume}: written by {trainer_state['args']['world_size']} processes, "
+                             f"launched with {world_size}; resume with the same number")
+        changed = changed_settings(trainer_state.get("args", {}), json.loads(json.dumps(asdict(args))))
+        if changed and not args.resume_allow_changes:
+            raise SystemExit(f"error: --resume {args.resume}: settings differ from the checkpoint's: {'; '.join(changed)} (pass --resume-allow-changes to resume anyway)")
     else:
         run_time = torch.tensor([int(time.time())], device=device)
         dist.broadcast(run_time, 0)
@@ -637,8 +700,6 @@ if __name__ == "__main__":
     start_step, method_state = 0, {"entropy_coef": args.entropy_coef}  # method_state: what a method carries across steps (saved in checkpoints)
     if resume_from:
         engine.load_checkpoint(resume_from, tag="state")
-        with open(os.path.join(resume_from, "trainer_state.json")) as f:
-            trainer_state = json.load(f)
         start_step, method_state = trainer_state["step"], trainer_state["method_state"]
         rng = torch.load(os.path.join(resume_from, f"rng_rank{rank}.pt"), weights_only=False)
         random.setstate(rng["python"])
@@ -657,14 +718,23 @@ if __name__ == "__main__":
         with open(os.path.join(run_dir, "args.json"), "w") as f:
             json.dump(asdict(args), f, indent=2)
         if resume_from and os.path.exists(metrics_path):
-            with open(metrics_path) as f:
-                kept_lines = [line for line in f if json.loads(line)["step"] <= start_step]
+            with open(metrics_path) as f:  # a kill may have cut the last line short
+                kept_lines = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= start_step]
             with open(metrics_path, "w") as f:
                 f.writelines(kept_lines)
         if args.track:
             import wandb
 
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
+            tags = [args.exp_name, f"commit:{args.git_commit}", *args.wandb_tags]
+            tags += [t.strip() for t in os.environ.get("WANDB_TAGS", "").split(",") if t.strip()]
+            versions = {}
+            for package in ("torch", "vllm", "deepspeed", "transformers"):
+                try:
+                    versions[package] = importlib.metadata.version(package)
+                except importlib.metadata.PackageNotFoundError:
+                    versions[package] = None
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, group=args.wandb_group or args.exp_name,
+                       job_type="train", tags=list(dict.fromkeys(tags)), config={**asdict(args), "versions": versions},
                        name=args.run_name, id=args.run_name, resume="allow", save_code=True)
 
     def log(metrics: dict, step: int) -> None:
@@ -699,10 +769,11 @@ if __name__ == "__main__":
         stop_requested = True
 
     signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
 
     if eval_data and args.eval_every and start_step == 0:
         evaluate(0)  # the base policy
-    G = args.group_size
+    G, bad_steps = args.group_size, 0
     progress = tqdm(range(start_step, args.total_steps), disable=rank != 0, initial=start_step, total=args.total_steps)
     for step in progress:
         step_start = time.time()
@@ -745,7 +816,8 @@ if __name__ == "__main__":
         # ---- training: mini-batches of the rollout batch, normalised over all ranks ----
         t0 = time.time()
         n_local = len(responses) // args.num_mini_batches
-        stats = {"loss": 0.0, "clipped": 0.0, "approx_kl": 0.0, "ref_kl": 0.0, "grad_norm": 0.0, "bonus": 0.0, "clamped_train": 0.0}
+        stats = {"loss": 0.0, "clipped": 0.0, "approx_kl": 0.0, "ref_kl": 0.0, "bonus": 0.0, "clamped_train": 0.0}
+        grad_norms, skipped = [], 0
         coef = method_state["entropy_coef"]  # AEnt: one coefficient per step, the same on every rank
         for epoch in range(args.num_epochs):
             for m in range(args.num_mini_batches):
@@ -776,7 +848,11 @@ if __name__ == "__main__":
                         stats["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * weights).sum().item()
                         stats["bonus"] += coef * (clamped * weights).sum().item()
                         stats["clamped_train"] += clamped.sum().item()
-                stats["grad_norm"] += float(engine.get_global_grad_norm()) / updates_per_step / world_size
+                if engine.was_step_applied():
+                    grad_norms.append(float(engine.get_global_grad_norm()))  # already global: the same on every rank
+                else:  # a non-finite gradient on any rank: DeepSpeed skipped this update on every rank
+                    skipped += 1
+        bad_steps = bad_steps + 1 if skipped else 0
         training_time = time.time() - t0
 
         t0 = time.time()
@@ -823,7 +899,8 @@ if __name__ == "__main__":
             "losses/policy_loss": g["loss"] / updates_per_step,
             "losses/clip_frac": g["clipped"] / updates_per_step,
             "losses/approx_kl": g["approx_kl"] / updates_per_step,
-            "losses/grad_norm": g["grad_norm"],
+            "losses/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+            "losses/skipped_updates": skipped,
             "charts/lr": scheduler.get_last_lr()[0],
             "time/generation": generation_time,
             "time/logprob": logprob_time,
@@ -837,7 +914,8 @@ if __name__ == "__main__":
         if ref_model is not None:
             metrics["losses/ref_kl"] = g["ref_kl"] / updates_per_step
         log(metrics, step + 1)
-        if args.adaptive_coef and step >= args.entropy_coef_warmup:  # every rank, same inputs: same value, no broadcast
+        # every rank, same inputs: same value, no broadcast; a non-finite entropy (skipped updates) leaves it as is
+        if args.adaptive_coef and step >= args.entropy_coef_warmup and math.isfinite(metrics["entropy/clamped_train"]):
             method_state["entropy_coef"] = next_entropy_coef(
                 coef, metrics["entropy/clamped_train"], low=args.entropy_low, high=args.entropy_high,
                 lr=args.entropy_coef_lr, reg=args.entropy_coef_reg, init_coef=args.entropy_coef,
@@ -845,14 +923,18 @@ if __name__ == "__main__":
             )
         progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", entropy=f"{metrics['entropy/full']:.3f}")
 
+        if bad_steps >= args.max_bad_steps:  # every rank agrees: the skip decision is global
+            raise SystemExit(f"error: {bad_steps} consecutive steps had a non-finite gradient (updates skipped, weights still "
+                             f"finite); newest checkpoint: {latest_checkpoint(run_dir)}; metrics: {metrics_path}")
         done = step + 1 == args.total_steps
         if eval_data and args.eval_every and ((step + 1) % args.eval_every == 0 or done):
             evaluate(step + 1)
         stop = torch.tensor([float(stop_requested)], device=device)
-        dist.all_reduce(stop)
-        if (args.save_every and (step + 1) % args.save_every == 0) or done or stop.item():
-            save_checkpoint(engine, run_dir, step + 1, {"method_state": method_state}, args.keep_checkpoints, rank)
-        if stop.item():
+        dist.all_reduce(stop)  # a signal to any rank stops them all
+        stop_requested = bool(stop.item())
+        if (args.save_every and (step + 1) % args.save_every == 0) or done or stop_requested:
+            save_checkpoint(engine, run_dir, step + 1, method_state, args, rank)
+        if stop_requested:
             if rank == 0:
                 print(f"stopped by signal after step {step + 1}; resume with --resume {run_dir}")
             break

@@ -30,12 +30,22 @@ def script_flags(tb, **overrides) -> list:
     return out
 
 
-def run_script(script, flags, output_dir, nproc=1, timeout=600, check=True):
-    """Launch `script` with torchrun on `nproc` CPU processes (0: plain `python script`); return the finished process."""
+def launch_command(script, flags, output_dir, nproc=1, fault=None, env=None):
+    """(command, environment) that runs `script` on `nproc` CPU processes (0: plain `python script`), optionally
+    with a fault injected by tests/inject.py (GRPO_FAULT syntax)."""
     port = free_port()
     launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port)] if nproc else []
-    cmd = [sys.executable, *launcher, os.path.join(ROOT, script), "--output-dir", str(output_dir), *flags]
-    env = {**os.environ, **CPU_ENV, "MASTER_PORT": str(port), "WANDB_DIR": str(output_dir)}
+    entry = [os.path.join(ROOT, "tests", "inject.py")] if fault else []
+    cmd = [sys.executable, *launcher, *entry, os.path.join(ROOT, script), "--output-dir", str(output_dir), *flags]
+    env = {**os.environ, **CPU_ENV, "MASTER_PORT": str(port), "WANDB_DIR": str(output_dir), **(env or {})}
+    if fault:
+        env["GRPO_FAULT"] = fault
+    return cmd, env
+
+
+def run_script(script, flags, output_dir, nproc=1, timeout=600, check=True, fault=None, env=None):
+    """Launch `script` (see launch_command) and wait for it; return the finished process."""
+    cmd, env = launch_command(script, flags, output_dir, nproc, fault, env)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
