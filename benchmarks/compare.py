@@ -3,17 +3,26 @@ import glob
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import tyro
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # `python benchmarks/compare.py` must find benchmarks/metrics.py
+    sys.path.insert(0, ROOT)
+
+from benchmarks.metrics import AENT, COV, EVAL, REWARD, label  # noqa: E402
+
 
 @dataclass
 class Args:
     runs: tuple[str, ...] = ("runs/*",)
-    """run directories (each with metrics.jsonl and args.json) or glob patterns; wandb run paths are a TODO"""
+    """run directories (each with metrics.jsonl and args.json) or glob patterns"""
+    wandb_runs: tuple[str, ...] = ()
+    """wandb run paths (entity/project/run_id) to compare too, read with wandb.Api(): needs network and an API key"""
     output_dir: str = "runs/compare"
     """where the PNGs, compare.md and compare.json go"""
     baseline: str = "grpo_vanilla"
@@ -28,7 +37,7 @@ class Args:
     """'final' rollout numbers are the mean of the last this many steps, 'best' the max of that moving average"""
 
 
-def find_runs(patterns) -> list:
+def find_runs(patterns, required: bool = True) -> list:
     """Run directories matched by the patterns (a directory or a glob), in order, without duplicates."""
     found = []
     for pattern in patterns:
@@ -36,7 +45,7 @@ def find_runs(patterns) -> list:
         for path in matches:
             if os.path.isfile(os.path.join(path, "metrics.jsonl")) and path not in found:
                 found.append(path)
-    if not found:
+    if not found and required:
         raise SystemExit(f"error: no run directory with a metrics.jsonl matches {' '.join(patterns)}")
     return found
 
@@ -57,6 +66,41 @@ def read_run(path: str) -> dict:
                 except json.JSONDecodeError:
                     raise SystemExit(f"error: {path}/metrics.jsonl line {number} is not JSON")
     return {"path": path, "method": args.get("exp_name", name.split("__")[0]), "seed": args.get("seed"), "rows": rows}
+
+
+def history_to_rows(history) -> list:
+    """wandb history rows -> metrics.jsonl rows: `step` from `_step` (the scripts log with step=step), wandb's own `_*`
+    keys, missing (None/NaN) and non-numeric (media, tables) values dropped; rows left without a metric are skipped.
+    A wandb row merges everything logged at one step (e.g. training and evaluation), which series() reads the same."""
+    rows = []
+    for h in history:
+        if h.get("_step") is None:
+            continue
+        row = {k: v for k, v in h.items() if not k.startswith("_") and isinstance(v, (int, float))
+               and not isinstance(v, bool) and not (isinstance(v, float) and math.isnan(v))}
+        if row:
+            rows.append({"step": int(h["_step"]), **row})
+    return rows
+
+
+def wandb_run_record(path: str, config: dict, group: Optional[str], name: str, history) -> dict:
+    """read_run()'s record of a wandb run: the method is config's exp_name (else the run group, else the name's part
+    before '__'); pure, so testable offline."""
+    method = config.get("exp_name") or group or name.split("__")[0]
+    return {"path": f"wandb:{path}", "method": method, "seed": config.get("seed"), "rows": history_to_rows(history)}
+
+
+def read_wandb_run(path: str) -> dict:
+    """A wandb run (entity/project/run_id) as read_run() reads a directory: the full, unsampled history. Needs network
+    and a wandb API key, so the test suite covers only history_to_rows() and wandb_run_record()."""
+    import wandb
+
+    try:
+        run = wandb.Api().run(path)
+        history = list(run.scan_history())
+    except Exception as e:  # no key, no network, no such run
+        raise SystemExit(f"error: cannot read wandb run {path}: {e}")
+    return wandb_run_record(path, dict(run.config), run.group, run.name, history)
 
 
 def series(rows: list, key: str) -> tuple:
@@ -195,7 +239,13 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     if args.smooth < 1 or args.final_window < 1:
         raise SystemExit("error: --smooth and --final-window must be >= 1")
-    runs = [read_run(p) for p in find_runs(args.runs)]
+    runs = [read_run(p) for p in find_runs(args.runs, required=not args.wandb_runs)]
+    local = {os.path.basename(os.path.normpath(r["path"])) for r in runs}  # a tracked run's wandb id is its run name
+    for path in args.wandb_runs:
+        if path.rstrip("/").split("/")[-1] in local:
+            print(f"{path}: the same run is read from its local directory")
+        else:
+            runs.append(read_wandb_run(path))
     methods = sorted({r["method"] for r in runs}, key=lambda m: (m != args.baseline, m))  # baseline first
     groups = {m: [r for r in runs if r["method"] == m] for m in methods}
     os.makedirs(args.output_dir, exist_ok=True)
@@ -209,11 +259,10 @@ if __name__ == "__main__":
     E = args.entropy_metric
     figures = {
         "entropy.png": [(E, f"{E} (nats)")],
-        "reward.png": [("rollout/reward", "rollout/reward"), ("rollout/accuracy", "rollout/accuracy")],
-        "eval_acc.png": [("eval/acc", "eval/acc")],
-        "aent.png": [("entropy/coef", "AEnt coefficient"), ("entropy/clamped", "clamped entropy (nats)")],
-        "cov.png": [("cov/selected_frac", "Cov: fraction of tokens selected"),
-                    ("cov/selected_mean", "Cov: mean covariance of the selected")],
+        "reward.png": [(k, label(k)) for k in REWARD],
+        "eval_acc.png": [(EVAL[0], label(EVAL[0]))],
+        "aent.png": [(k, label(k)) for k in AENT],
+        "cov.png": [(k, label(k)) for k in COV],  # panels no run logged are left out
     }
     written = [name for name, panels in figures.items()
                if plot_curves(plt, os.path.join(args.output_dir, name), groups, colors, panels, args.smooth)]

@@ -1,0 +1,32 @@
+# The metric names the grpo_*.py scripts log, by concern, for compare.py and wandb_report.py; docs: README.md
+# (The same name means the same quantity in every script; a method's own metrics are absent from the other runs.)
+
+AENT = ("entropy/clamped", "entropy/coef")  # AEnt's clamped entropy H_S and its adaptive coefficient
+ENTROPY = ("entropy/full", *AENT)
+REWARD = ("rollout/reward", "rollout/accuracy")
+EVAL = ("eval/acc", "eval/response_length")  # greedy, on --eval-dataset, every --eval-every steps
+COV = ("cov/selected_frac", "cov/selected_mean", "cov/mean", "cov/kl_selected", "cov/clipped_frac")  # KL-Cov, Clip-Cov
+THROUGHPUT = ("charts/tokens_per_second",)
+TIME = ("time/step", "time/generation", "time/logprob", "time/training", "time/weight_push", "time/cov_selection")
+
+LABELS = {
+    "entropy/full": "full-vocabulary entropy (nats)",
+    "entropy/clamped": "clamped entropy (nats)",
+    "entropy/coef": "AEnt coefficient",
+    "cov/selected_frac": "Cov: fraction of tokens selected",
+    "cov/selected_mean": "Cov: mean covariance of the selected",
+    "cov/mean": "Cov: mean covariance of all tokens",
+    "cov/kl_selected": "KL-Cov: mean |logp - old logp| of the selected",
+    "cov/clipped_frac": "Clip-Cov: fraction of tokens without gradient",
+    "charts/tokens_per_second": "tokens per second",
+}
+
+
+def label(metric: str) -> str:
+    """A plot label: the description for the less obvious names, else the name itself; seconds for time/*."""
+    return LABELS.get(metric, f"{metric} (s)" if metric.startswith("time/") else metric)
+
+
+def eval_metric(dataset: str, name: str = "acc") -> str:
+    """eval/<dataset>/<name>, or the scripts' single-dataset eval/<name> when dataset is ''."""
+    return f"eval/{dataset}/{name}" if dataset else f"eval/{name}"
