@@ -157,7 +157,8 @@ def fit_law(H, R) -> tuple:
 
 
 def run_summary(run: dict, args: Args) -> dict:
-    """Per-run numbers for the table: final and best reward (smoothed), final and best eval accuracy, final entropy."""
+    """Per-run numbers for the table: final and best reward (smoothed), initial, final and best eval accuracy, final
+    entropy."""
     out = {}
     for key, name in (("rollout/reward", "reward"), ("rollout/accuracy", "accuracy"), (args.entropy_metric, "entropy")):
         steps, values = series(run["rows"], key)
@@ -166,8 +167,9 @@ def run_summary(run: dict, args: Args) -> dict:
             out[f"final_{name}"], out[f"best_{name}"] = smoothed[-1], smoothed.max()
             out["steps"] = int(steps[-1])
     steps, values = series(run["rows"], "eval/acc")
-    if len(values):
-        out["final_eval_acc"], out["best_eval_acc"] = values[-1], values.max()
+    if len(values):  # step 0 evaluated the initial policy: its own column, not a candidate for 'best'
+        out["initial_eval_acc"] = values[0] if steps[0] == 0 else None
+        out["final_eval_acc"], out["best_eval_acc"] = values[-1], values[steps > 0].max(initial=values[-1])
     results = os.path.join(run["path"], "eval", "results.json")  # benchmarks/eval.py on the final model, if run
     if os.path.isfile(results):
         with open(results) as f:
@@ -281,28 +283,30 @@ if __name__ == "__main__":
     summaries = {m: [run_summary(r, args) for r in rs] for m, rs in groups.items()}
     base = [s.get("final_entropy") for s in summaries.get(args.baseline, [])]
     base_entropy = np.mean(base) if base and None not in base else None
-    header = ["method", "seeds", "steps", "final reward", "best reward", "final eval acc", "best eval acc",
-              "final entropy", f"entropy retained vs {args.baseline}", "a", "b", "ceiling -a+b", "benchmarks mean@k"]
+    header = ["method", "seeds", "steps", "final reward", "best reward", "step-0 eval acc", "final eval acc",
+              "best eval acc", "final entropy", f"entropy retained vs {args.baseline}", "a", "b", "ceiling -a+b",
+              "benchmarks mean@k"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     table = {}
     for m in methods:
         s = summaries[m]
-        col = {k: [x.get(k) for x in s] for k in ("steps", "final_reward", "best_reward", "final_eval_acc",
-                                                   "best_eval_acc", "final_entropy", "benchmark_acc")}
+        col = {k: [x.get(k) for x in s] for k in ("steps", "final_reward", "best_reward", "initial_eval_acc",
+                                                   "final_eval_acc", "best_eval_acc", "final_entropy", "benchmark_acc")}
         entropies = [e for e in col["final_entropy"] if e is not None]
         retained = np.mean(entropies) / base_entropy if entropies and base_entropy else None
         a, b = fits[m]
         table[m] = {"runs": [r["path"] for r in groups[m]], "seeds": [r["seed"] for r in groups[m]], **col,
                     "entropy_retained": retained, "a": a, "b": b, "ceiling": b - a}
         cells = [m, str(len(s)), fmt(col["steps"], 0), fmt(col["final_reward"]), fmt(col["best_reward"]),
-                 fmt(col["final_eval_acc"]), fmt(col["best_eval_acc"]), fmt(col["final_entropy"]),
+                 fmt(col["initial_eval_acc"]), fmt(col["final_eval_acc"]), fmt(col["best_eval_acc"]),
+                 fmt(col["final_entropy"]),
                  "-" if retained is None else f"{retained:.2f}x", fmt([a]), fmt([b]), fmt([b - a]),
                  fmt(col["benchmark_acc"])]
         lines.append("| " + " | ".join(cells) + " |")
     notes = (f"\nFinal/best reward and entropy: mean of the last {args.final_window} steps / best {args.final_window}-step "
-             f"moving average; eval acc: last / best evaluation; ranges are min-max over seeds. Law fitted on "
-             f"({E}, {metric}) pairs of every step of every seed. Benchmarks: benchmarks/eval.py's mean@k averaged "
-             f"over its sets, from <run>/eval/results.json when present.\n")
+             f"moving average; eval acc: at step 0 (the initial policy) / last / best after step 0; ranges are min-max "
+             f"over seeds. Law fitted on ({E}, {metric}) pairs of every step of every seed. Benchmarks: "
+             f"benchmarks/eval.py's mean@k averaged over its sets, from <run>/eval/results.json when present.\n")
     markdown = "\n".join(lines) + "\n" + notes + "".join(f"\n![{n}]({n})\n" for n in written)
     with open(os.path.join(args.output_dir, "compare.md"), "w") as f:
         f.write(markdown)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tyro
 
-from benchmarks.compare import aggregate, fit_law, law_points, moving_average
+from benchmarks.compare import Args, aggregate, fit_law, law_points, moving_average, run_summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 A, B = 0.6, 1.4  # the law the synthetic runs follow: R = -A exp(H) + B
@@ -128,3 +128,11 @@ def test_aggregate_over_seeds_with_different_steps():
     assert steps.tolist() == [1, 2] and mean.tolist() == [1.5, 3.0] and lo.tolist() == [1.0, 3.0] and hi.tolist() == [2.0, 3.0]
     assert aggregate(runs, "missing") is None
     assert moving_average(np.array([1.0, 3.0, 5.0, 7.0]), 2).tolist() == [1.0, 2.0, 4.0, 6.0]
+
+
+def test_run_summary_keeps_the_initial_evaluation_apart(tmp_path):
+    rows = [{"step": 0, "eval/acc": 0.5}, {"step": 1, "entropy/full": 0.3}, {"step": 10, "eval/acc": 0.4},
+            {"step": 20, "eval/acc": 0.45}, {"step": 30, "eval/acc": 0.42}]
+    summary = run_summary({"path": str(tmp_path), "rows": rows}, Args())
+    assert (summary["initial_eval_acc"], summary["final_eval_acc"], summary["best_eval_acc"]) == (0.5, 0.42, 0.45)
+    assert run_summary({"path": str(tmp_path), "rows": rows[1:]}, Args())["initial_eval_acc"] is None  # no step 0
