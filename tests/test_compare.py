@@ -86,7 +86,10 @@ def test_reproduction_scripts_pass_valid_flags(script):
     assert {c[i] for c, i in zip(commands, methods) if i} == {"grpo_vanilla.py", "grpo_aent.py", "grpo_klcov.py", "grpo_clipcov.py"}
     for c, i in zip(commands, methods):
         if i is not None:
-            world_size = int(c[c.index("--num_gpus") + 1]) if c[0] == "deepspeed" else int(c[c.index("--nproc_per_node") + 1])
+            if c[0] == "deepspeed":
+                world_size = int(c[c.index("--num_gpus") + 1]) * (int(c[c.index("--num_nodes") + 1]) if "--num_nodes" in c else 1)
+            else:
+                world_size = int(c[c.index("--nproc_per_node") + 1])
             if not os.path.exists(os.path.join(ROOT, c[i])):
                 continue  # a method not in this checkout yet
             module = importlib.import_module(c[i][: -len(".py")])

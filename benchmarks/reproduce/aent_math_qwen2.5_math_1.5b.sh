@@ -16,7 +16,6 @@ NUM_GPUS=${NUM_GPUS:-8}
 TOTAL_STEPS=${TOTAL_STEPS:-500}  # not given in methods.md: set it to your budget
 DATASET=${DATASET:-DigitalLearningGmbH/MATH-lighteval}  # MATH train (7,500 problems; answers from the \boxed{} solutions)
 OUT=${OUT:-runs/aent_math_qwen2.5_math_1.5b}
-export WANDB_TAGS="aent_math_qwen2.5_math_1.5b,$(git rev-parse --short HEAD 2>/dev/null || echo nogit)"
 
 run() {  # run a command, or only print it with DRY_RUN=1
   if [ -n "${DRY_RUN:-}" ]; then printf '%q ' "$@"; echo; else "$@"; fi
@@ -26,7 +25,7 @@ run() {  # run a command, or only print it with DRY_RUN=1
 COMMON=(
   --model-name-or-path Qwen/Qwen2.5-Math-1.5B --dataset "$DATASET"
   --eval-dataset benchmarks/data/math500.jsonl --eval-every 10
-  --output-dir "$OUT" --total-steps "$TOTAL_STEPS" --track --wandb-project-name grpo-entropy
+  --output-dir "$OUT" --total-steps "$TOTAL_STEPS" --track --wandb-project-name grpo-entropy --wandb-tags aent_math_qwen2.5_math_1.5b
   --num-prompts-per-step 512 --group-size 16 --max-prompt-length 1024 --max-response-length 3072
   --temperature 1.0 --learning-rate 2e-6 --num-mini-batches 4 --num-epochs 1
   --kl-coef 0 --gradient-checkpointing --vllm-gpu-memory-utilization 0.55

@@ -18,7 +18,6 @@ TOTAL_STEPS=${TOTAL_STEPS:-500}  # not given in methods.md: set it to your budge
 # "Answer: $Answer" instruction, before ours asking for \boxed{}
 DATASET=${DATASET:-open-r1/DAPO-Math-17k-Processed:en}
 OUT=${OUT:-runs/cov_qwen2.5_7b}
-export WANDB_TAGS="cov_qwen2.5_7b,$(git rev-parse --short HEAD 2>/dev/null || echo nogit)"
 
 run() {  # run a command, or only print it with DRY_RUN=1
   if [ -n "${DRY_RUN:-}" ]; then printf '%q ' "$@"; echo; else "$@"; fi
@@ -29,7 +28,7 @@ run() {  # run a command, or only print it with DRY_RUN=1
 COMMON=(
   --model-name-or-path Qwen/Qwen2.5-7B --dataset "$DATASET" --question-field prompt --answer-field solution
   --eval-dataset benchmarks/data/math500.jsonl --eval-every 10
-  --output-dir "$OUT" --total-steps "$TOTAL_STEPS" --track --wandb-project-name grpo-entropy
+  --output-dir "$OUT" --total-steps "$TOTAL_STEPS" --track --wandb-project-name grpo-entropy --wandb-tags cov_qwen2.5_7b
   --num-prompts-per-step 256 --group-size 8 --max-prompt-length 2048 --max-response-length 8192
   --temperature 1.0 --learning-rate 1e-6 --num-mini-batches 8 --num-epochs 1
   --kl-coef 0 --gradient-checkpointing --zero-stage 3 --micro-batch-size 2
