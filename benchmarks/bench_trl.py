@@ -76,9 +76,22 @@ def trl_child(a):
     timer = Timer()
     trainer = GRPOTrainer(model=a.model, reward_funcs=reward, args=config, train_dataset=data,
                           processing_class=tokenizer, callbacks=[timer])
+    phases = {"generation": [], "forward": [], "backward": []}  # per-call seconds of TRL's own methods
+
+    def timed(name, fn):
+        def wrapper(*args, **kw):
+            start = time.perf_counter()
+            out = fn(*args, **kw)
+            phases[name].append(time.perf_counter() - start)
+            return out
+        return wrapper
+
+    trainer._generate_and_score_completions = timed("generation", trainer._generate_and_score_completions)
+    trainer.compute_loss = timed("forward", trainer.compute_loss)
+    trainer.accelerator.backward = timed("backward", trainer.accelerator.backward)
     trainer.train()
     per_rollout = [sum(timer.times[i : i + M]) for i in range(0, len(timer.times), M)]
-    json.dump({"step_times": per_rollout}, open(a.out, "w"))
+    json.dump({"step_times": per_rollout, "phases": phases}, open(a.out, "w"))
 
 
 def command(a, variant: str, out: str) -> list:
@@ -105,6 +118,20 @@ def step_times(variant: str, out: str) -> list:
     if variant.startswith("trl"):
         return json.load(open(out))["step_times"]
     return [m["time/step"] for m in read_metrics(out)]
+
+
+def phase_times(variant: str, out: str, warmup: int) -> dict:
+    """Seconds per rollout batch of each phase: ours from metrics.jsonl, TRL from timers around its methods
+    (generation = _generate_and_score_completions incl. reward and, with vLLM, the old log-prob pass; forward =
+    compute_loss; backward = accelerator.backward; the rest of its step is the optimizer step and bookkeeping)."""
+    if variant.startswith("trl"):
+        data = json.load(open(out))
+        steps = len(data["step_times"])
+        chunks = {k: len(v) // steps for k, v in data["phases"].items()}  # calls per rollout batch
+        return {k: [sum(v[i * chunks[k] : (i + 1) * chunks[k]]) for i in range(steps)][warmup:]
+                for k, v in data["phases"].items() if chunks[k]}
+    ms = read_metrics(out)[warmup:]
+    return {k[5:]: [m[k] for m in ms] for k in ("time/generation", "time/logprob", "time/training", "time/weight_push")}
 
 
 def main():
@@ -147,6 +174,8 @@ def main():
             times = step_times(v, out)
             results[v]["steps"] += times[a.warmup :]
             results[v]["runs"].append(median(times[a.warmup :]))
+            for k, xs in phase_times(v, out, a.warmup).items():
+                results[v].setdefault("phases", {}).setdefault(k, []).extend(xs)
             results[v]["rss"].append(run["peak_rss"])
             results[v]["wall"].append(run["wall"])
             print(f"repeat {r} {v}: {median(times[a.warmup:]):.3f} s/step, peak RSS {run['peak_rss'] / 2**20:.0f} MB, "
@@ -170,6 +199,9 @@ def main():
                           max(ours["rss"]) / max(trl["rss"]))
             print(f"| ratio ours / TRL ({gen}) | {t:.2f} | {best:.2f} | {m:.2f} | "
                   f"{median(ours['wall']) / median(trl['wall']):.2f} | |")
+    print("phases, median seconds per step:", "; ".join(
+        f"{v}: " + ", ".join(f"{k} {median(xs):.3f}" for k, xs in res.get("phases", {}).items())
+        for v, res in results.items() if res.get("phases")))
     print(f"runs and logs: {work}")
 
 
