@@ -71,7 +71,7 @@ def main():
           f"micro-batch {a.micro_batch_size}, {a.num_mini_batches} mini-batch(es), 1 process, medians of steps "
           f"{a.warmup + 1}-{a.steps} (s)")
     print("| setting | G | L (mean) | sequences | generation | log-prob | training | weight push | step | step / base | "
-          "peak RSS (MB) | load avg |")
+          "peak RSS (MB) | load avg after run |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, G, L, length, ph, rss, load in rows:
         print(f"| {name} | {G} | {L} ({length:.1f}) | {a.num_prompts * G} | {ph['time/generation']:.3f} | "
