@@ -35,4 +35,4 @@ testbed: venv
 	$(PY) benchmarks/plot_run.py $$(ls -td runs/*/ | head -1)
 
 test: venv
-	$(CPU_ENV) $(PY) -m pytest -x -q tests
+	$(CPU_ENV) $(PY) -m pytest -x -q -n 2 --dist loadfile tests

@@ -290,13 +290,41 @@ def gather_ranks(x: torch.Tensor):
     return torch.cat([p[:n] for p, n in zip(parts, sizes)]), sum(sizes[: dist.get_rank()])
 
 
+class _LogprobEntropy(torch.autograd.Function):
+    """Log-prob of each target and the entropy H = -sum p log p from a chunk of logits [N, vocab] at a temperature.
+
+    Autograd would keep ~5 chunk-sized tensors for the backward; this keeps the scaled float32 logits only and
+    writes the gradient over them in place: d(u logp + w H)/dz_i = u (onehot_i - p_i) - w p_i (log p_i + H).
+    Its backward runs once per forward (each chunk is recomputed for its backward).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature: float, with_entropy: bool):
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        z = logits.to(dtype) / temperature if temperature != 1 or logits.dtype != dtype else logits
+        log_norm = z.logsumexp(dim=-1)
+        logp = z.gather(-1, targets[:, None]).squeeze(-1) - log_norm
+        entropy = log_norm - torch.linalg.vecdot(torch.softmax(z, dim=-1), z) if with_entropy else torch.zeros_like(logp)
+        ctx.save_for_backward(z, targets, log_norm, entropy)
+        ctx.temperature, ctx.dtype, ctx.with_entropy = temperature, logits.dtype, with_entropy
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        z, targets, log_norm, entropy = ctx.saved_tensors
+        log_p = z.sub_(log_norm[:, None])  # z is not needed again: reuse its memory
+        p = log_p.exp()
+        if ctx.with_entropy:  # log_p becomes -(w (log p + H) + u), then p times it
+            factor = log_p.add_(entropy[:, None]).mul_(grad_entropy[:, None]).add_(grad_logp[:, None]).neg_()
+        else:
+            factor = log_p.copy_(-grad_logp[:, None].expand_as(log_p))
+        grad = p.mul_(factor).scatter_add_(-1, targets[:, None], grad_logp[:, None]).div_(ctx.temperature)
+        return grad.to(ctx.dtype), None, None, None
+
+
 def _logprob_entropy_chunk(lm_head, hidden, targets, temperature: float, with_entropy: bool):
-    logits = lm_head(hidden).float() / temperature
-    log_norm = logits.logsumexp(dim=-1)
-    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - log_norm
-    if not with_entropy:
-        return logp, torch.zeros_like(logp)
-    entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    logits = lm_head(hidden)
+    logp, entropy = _LogprobEntropy.apply(logits, targets, temperature, with_entropy)
     return logp, entropy
 
 
@@ -652,7 +680,7 @@ if __name__ == "__main__":
         "zero_force_ds_cpu_optimizer": False,  # torch AdamW: no compiled optimizer ops needed
         "steps_per_print": 10**9,
     }
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, updates_per_step))
     engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     ref_model = None

@@ -128,3 +128,21 @@ def test_fixed_number_of_head_calls_gives_the_same_values():
     fixed_logp, fixed_ent = gv.chunked_logprobs_entropy(hidden, head, targets, 1.0, 4, num_chunks=9)
     assert len(calls) == 2 + 9
     assert torch.allclose(logp, fixed_logp) and torch.allclose(ent, fixed_ent)
+
+
+@pytest.mark.parametrize("temperature, with_entropy", [(1.0, True), (0.7, True), (0.7, False)])
+def test_logprob_entropy_backward_is_the_exact_gradient(temperature, with_entropy):
+    """The hand-written backward against autograd through log_softmax, in float64 (to rounding) and bf16 (dtype kept)."""
+    torch.manual_seed(0)
+    z = torch.randn(6, 13, dtype=torch.float64, requires_grad=True)
+    targets, u, w = torch.randint(0, 13, (6,)), torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    logp, entropy = gv._LogprobEntropy.apply(z * 1.0, targets, temperature, with_entropy)
+    (grad,) = torch.autograd.grad((u * logp + w * entropy).sum(), z)
+    log_probs = torch.log_softmax(z / temperature, dim=-1)
+    ref_logp, ref_entropy = log_probs.gather(-1, targets[:, None]).squeeze(-1), -(log_probs.exp() * log_probs).sum(-1)
+    (ref_grad,) = torch.autograd.grad((u * ref_logp + w * ref_entropy * with_entropy).sum(), z)
+    assert torch.allclose(logp, ref_logp, atol=1e-12) and torch.allclose(grad, ref_grad, atol=1e-12)
+    assert torch.allclose(entropy, ref_entropy, atol=1e-12) if with_entropy else not entropy.any()
+    half = z.detach().bfloat16().requires_grad_()
+    logp, _ = gv._LogprobEntropy.apply(half * 1.0, targets, temperature, with_entropy)
+    assert logp.dtype == torch.float32 and torch.autograd.grad(logp.sum(), half)[0].dtype == torch.bfloat16
