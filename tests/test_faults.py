@@ -183,4 +183,4 @@ def test_slow_rewards_and_bad_rows_are_counted_never_hang(testbed, tmp_path):
     assert "4 training prompts (1 dropped: longer than 128 tokens)" in proc.stdout
     (row,) = read_metrics(run_dir(tmp_path / "out"))
     assert row["rollout/reward"] == 0 and row["rollout/reward_failures"] >= 6  # 8 samples; one may lack a \boxed{}
-    assert row["time/step"] < 8 * 2.5 and time.time() - start < 240
+    assert row["time/step"] < 8 * 1.5 * 3 and time.time() - start < 240  # 1.5 CPU-s per answer, a busy machine

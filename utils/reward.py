@@ -14,7 +14,8 @@ import time
 import weakref
 
 TIMEOUT_S = 1.5
-"""Wall-clock budget for grading one response (seconds); pathological answers such as 9^{9^{9^{9^9}}} use it all."""
+"""CPU-time budget for grading one response (seconds of this process's CPU time, so the verdict does not depend on
+how busy the machine is); pathological answers such as 9^{9^{9^{9^9}}} use it all."""
 MAX_ANSWER_CHARS = 1000
 """Boxed answers longer than this are graded wrong without parsing (gold answers are far shorter)."""
 WORKER_START_TIMEOUT_S = 60.0
@@ -51,7 +52,7 @@ def has_boxed(response: str) -> bool:
 
 
 class GradeTimeout(BaseException):
-    """Raised by our SIGALRM handler; a BaseException so math-verify's `except Exception` cannot swallow it."""
+    """Raised by our SIGPROF handler; a BaseException so math-verify's `except Exception` cannot swallow it."""
 
 
 def _on_alarm(signum, frame):
@@ -88,25 +89,29 @@ def _verify(content: str, answer: str) -> tuple[float, str]:
 
 
 def _verify_with_alarm(content: str, answer: str, timeout: float) -> tuple[float, str]:
-    """_verify under one wall-clock budget from an interval timer (main thread only); restores any previous timer."""
+    """_verify under one CPU-time budget from a profiling interval timer (main thread only); restores any previous one.
+
+    CPU time, not wall time: a loaded machine slows grading down but does not turn right answers into timeouts, so
+    the same samples get the same rewards however busy the machine is.
+    """
     _math_verify()  # the first import takes ~0.5-1.5 s: not part of any answer's budget
-    start = time.monotonic()
-    previous_handler = signal.signal(signal.SIGALRM, _on_alarm)
-    previous_delay, previous_interval = signal.setitimer(signal.ITIMER_REAL, max(timeout, 1e-3))  # 0 would disarm
+    start = time.process_time()
+    previous_handler = signal.signal(signal.SIGPROF, _on_alarm)
+    previous_delay, previous_interval = signal.setitimer(signal.ITIMER_PROF, max(timeout, 1e-3))  # 0 would disarm
     try:
         try:
             return _verify(content, answer)
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)  # if the alarm fires just before this, it is one-shot: caught below
+            signal.setitimer(signal.ITIMER_PROF, 0)  # if the alarm fires just before this, it is one-shot: caught below
     except GradeTimeout:
         return 0.0, "timeout"
     except Exception:
         return 0.0, "error"
     finally:
-        signal.signal(signal.SIGALRM, previous_handler if previous_handler is not None else signal.SIG_DFL)
+        signal.signal(signal.SIGPROF, previous_handler if previous_handler is not None else signal.SIG_DFL)
         if previous_delay > 0:  # someone else's timer was running: re-arm it with what is left of it
-            left = max(previous_delay - (time.monotonic() - start), 1e-3)
-            signal.setitimer(signal.ITIMER_REAL, left, previous_interval)
+            left = max(previous_delay - (time.process_time() - start), 1e-3)
+            signal.setitimer(signal.ITIMER_PROF, left, previous_interval)
 
 
 _local = threading.local()
@@ -167,8 +172,9 @@ def _worker_main():
 def grade(response: str, answer: str, timeout: float = TIMEOUT_S) -> tuple[float, str]:
     """(reward, status): 1.0 if the last \\boxed{} answer equals `answer` per math-verify; status in STATUSES. Never raises.
 
-    In the main thread a SIGALRM interval timer bounds the time; in other threads a per-thread subprocess does the
-    grading and is killed if it overruns (its first call also waits for it to start, about half a second).
+    In the main thread a profiling interval timer (SIGPROF) bounds the CPU time; in other threads a per-thread
+    subprocess does the grading under the same timer and is killed if it overruns in wall time (its first call also
+    waits for it to start, about half a second).
     """
     try:
         content = last_boxed(response)
