@@ -87,3 +87,28 @@ def wandb_records(path):
             record.ParseFromString(b"".join(chunks))
             chunks = []
             yield record
+
+
+# 2 optimizer updates per step (KL-Cov needs >= 2 per rollout batch), a checkpoint after every step
+COMMON = {"total-steps": 4, "num-mini-batches": 2, "micro-batch-size": 4, "save-every": 1, "keep-checkpoints": 2}
+METHOD = {  # each method's state and selections made non-trivial on 4 steps; vLLM where generation is the kill point
+    "grpo_vanilla.py": {},
+    "grpo_aent.py": {"no-use-vllm": True, "entropy-coef-warmup": 0, "entropy-low": 0.5, "entropy-high": 0.6, "entropy-coef-lr": 0.01},
+    "grpo_klcov.py": {"no-use-vllm": True, "kl-cov-ratio": 0.2},
+    "grpo_clipcov.py": {"no-use-vllm": True, "clip-cov-ratio": 0.2, "clip-cov-lb": 0, "clip-cov-ub": 5},
+}
+
+
+def fault_flags(tb, script, **overrides):
+    """script_flags for the fault tests: 4 steps, 2 updates per step, a checkpoint after every step."""
+    return script_flags(tb, **{**COMMON, **METHOD[script], **overrides})
+
+
+def checkpoints(path):
+    return sorted(os.listdir(os.path.join(path, "checkpoints")))
+
+
+def trainer_state(path, step=None):
+    name = f"step_{step:07d}" if step else checkpoints(path)[-1]
+    with open(os.path.join(path, "checkpoints", name, "trainer_state.json")) as f:
+        return json.load(f)
