@@ -4,14 +4,12 @@
 The end-to-end runs use `--no-use-vllm`: AEnt changes nothing in generation (tests/test_e2e.py covers the vLLM
 engine), and HF generate starts in half the time on a 2-core machine.
 """
-import json
-import os
 
 import pytest
 import torch
 
 import grpo_aent as ga
-from launch import read_metrics, run_dir, run_script, script_flags
+from launch import read_metrics, run_dir, run_script, script_flags, trainer_state
 
 
 def definition(logits, clamp_p):
@@ -157,12 +155,6 @@ def coef_step(coef, entropy):
     return ga.next_entropy_coef(coef, entropy, low=0.3, high=0.3, lr=0.02, reg=0.0, init_coef=0.002, coef_min=6e-4, coef_max=9e-3)
 
 
-def final_coef(path):
-    (last,) = sorted(os.listdir(os.path.join(path, "checkpoints")))[-1:]
-    with open(os.path.join(path, "checkpoints", last, "trainer_state.json")) as f:
-        return json.load(f)["method_state"]["entropy_coef"]
-
-
 @pytest.fixture(scope="module")
 def straight_run(testbed, tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
@@ -187,7 +179,7 @@ def test_one_coefficient_on_every_rank_stepped_from_the_world_mean(testbed, stra
     for before, after in zip(rows[1:], rows[2:]):  # driven by the token mean over both ranks and all updates
         assert after["entropy/coef"] == pytest.approx(coef_step(before["entropy/coef"], before["entropy/clamped_train"]), rel=1e-12)
     assert coefs[2] != coefs[1]
-    assert final_coef(straight_run) == pytest.approx(coef_step(coefs[3], rows[3]["entropy/clamped_train"]), rel=1e-12)
+    assert trainer_state(straight_run)["method_state"]["entropy_coef"] == pytest.approx(coef_step(coefs[3], rows[3]["entropy/clamped_train"]), rel=1e-12)
     for r in rows:
         assert 0 < r["entropy/clamped"] <= r["entropy/full"] + 1e-6 and r["entropy/bonus"] > 0
 
