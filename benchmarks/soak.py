@@ -93,6 +93,25 @@ def slope(xs: list, ys: list) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if n > 1 and sxx > 0 else 0.0
 
 
+def heap_report(out_dir: str, t_start: float, samples: list, a) -> None:
+    """Slopes after warm-up of what heap_probe.py recorded in each rank: RSS before and after malloc_trim, malloc's
+    in-use and free bytes, live tensors and gc-tracked objects (probe times mapped to steps through the samples)."""
+    keys = ("rss_mb", "rss_after_trim_mb", "malloc_in_use_mb", "malloc_free_mb", "tensor_mb", "tensors", "gc_objects")
+    print("\n| heap probe (rank) | " + " | ".join(keys) + " |\n| --- |" + " --- |" * len(keys))
+    for rank in range(a.nproc):
+        path = os.path.join(out_dir, f"heap_probe_rank{rank}.jsonl")
+        rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+        for r in rows:  # the step at the probe's time: the last soak sample taken before it
+            r["step"] = max([s["step"] for s in samples if s["t"] <= r["time"] - t_start] or [0])
+        rows = [r for r in rows if a.warmup <= r["step"] < a.steps]
+        if len(rows) < 3:
+            print(f"| {rank} | too few probe samples after warm-up ({len(rows)}) |")
+            continue
+        cells = [f"{rows[0][k]:.0f} -> {rows[-1][k]:.0f} ({100 * slope([r['step'] for r in rows], [r[k] for r in rows]):+.1f}/100 steps)"
+                 for k in keys]
+        print(f"| {rank} | " + " | ".join(cells) + " |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--script", default="grpo_vanilla.py")
@@ -102,6 +121,8 @@ def main():
     p.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
     p.add_argument("--output", default=None, help="directory for the run and soak_samples.csv (default runs/soak_<script>_<time>)")
     p.add_argument("--extra", default="", help="more flags for the script, e.g. '--no-use-vllm'")
+    p.add_argument("--heap-probe", type=float, default=0, metavar="SECONDS",
+                   help="run the script under heap_probe.py, sampling every this many seconds (and trimming malloc)")
     a = p.parse_args()
     from utils.testbed import build_testbed
 
@@ -110,12 +131,15 @@ def main():
     os.makedirs(out_dir, exist_ok=True)
     flags = override(testbed_args(), {**SOAK_FLAGS, "--total-steps": str(a.steps), "--output-dir": out_dir})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc), "--master_port", str(free_port()),
+           *([os.path.join(ROOT, "benchmarks", "heap_probe.py")] if a.heap_probe else []),
            os.path.join(ROOT, a.script), "--model-name-or-path", tb.model_dir, "--dataset", tb.train_file,
            "--eval-dataset", tb.test_file, *flags, *shlex.split(a.extra)]
     print(" ".join(cmd), flush=True)
     ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphaned descendants re-parent to us, stay in the tree
     log = open(os.path.join(out_dir, "soak_launcher.log"), "w")
-    launcher = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **CPU_ENV}, stdout=log, stderr=subprocess.STDOUT)
+    probe_env = {"HEAP_PROBE_OUT": os.path.join(out_dir, "heap_probe_rank{rank}.jsonl"), "HEAP_PROBE_INTERVAL": str(a.heap_probe)}
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **CPU_ENV, **(probe_env if a.heap_probe else {})},
+                                stdout=log, stderr=subprocess.STDOUT)
     samples = open(os.path.join(out_dir, "soak_samples.csv"), "w", newline="")  # written as sampled: survives a kill
     writer = csv.DictWriter(samples, FIELDS)
     writer.writeheader()
@@ -194,6 +218,8 @@ def main():
         f"{name} [{pid}] {r0:.0f} -> {r1:.0f} ({g:+.2f})" for g, (pid, name), r0, r1 in grow[:5]))
     short_lived = len([k for k, v in per_pid.items() if len(v) <= len(after) // 2])
     print(f"short-lived processes after warm-up (spawned and gone, e.g. grading subprocesses): {short_lived}")
+    if a.heap_probe:
+        heap_report(out_dir, t_start, sorted(totals.values(), key=lambda s: s["t"]), a)
     print(f"\n{'PASS' if all(verdicts) and launcher.returncode == 0 else 'FAIL'}: exit {launcher.returncode}, "
           f"{sum(verdicts)}/{len(verdicts)} criteria")
     sys.exit(0 if all(verdicts) and launcher.returncode == 0 else 1)

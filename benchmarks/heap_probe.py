@@ -1,0 +1,71 @@
+"""Run a method script with a heap probe beside it: is growing resident memory a leak or allocator retention?
+
+    python benchmarks/heap_probe.py grpo_aent.py [flags]          (soak.py --heap-probe launches it this way)
+
+A daemon thread wakes every $HEAP_PROBE_INTERVAL seconds (default 20) and appends one line to $HEAP_PROBE_OUT
+(default heap_probe_rank<r>.jsonl): this process's RSS and anonymous RSS, the number of objects the garbage collector
+tracks, the live torch tensors (count and bytes of their storages), the bytes glibc's malloc holds (mallinfo2:
+in use vs free inside the heap), then calls malloc_trim(0) and records the RSS again. A leak keeps growing in live
+objects, tensors or malloc's in-use bytes; memory that malloc frees but keeps (fragmentation) shows as free bytes and
+goes back to the system under malloc_trim, so the trimmed RSS stays flat.
+"""
+import ctypes
+import gc
+import json
+import os
+import runpy
+import sys
+import threading
+import time
+
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def proc_status() -> dict:
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return {"rss_mb": int(fields["VmRSS"].split()[0]) / 1024, "anon_mb": int(fields["RssAnon"].split()[0]) / 1024}
+
+
+def tensor_census() -> tuple:
+    import torch
+
+    count, storages = 0, {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+                count += 1
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        except Exception:  # half-built objects, meta tensors
+            pass
+    return count, sum(storages.values()) / 2**20
+
+
+def probe(out: str, interval: float) -> None:
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    while True:
+        time.sleep(interval)
+        before = proc_status()
+        info = libc.mallinfo2()
+        tensors, tensor_mb = tensor_census()
+        row = {"time": round(time.time(), 1), **before, "gc_objects": len(gc.get_objects()), "tensors": tensors,
+               "tensor_mb": round(tensor_mb, 1), "malloc_in_use_mb": (info.uordblks + info.hblkhd) / 2**20,
+               "malloc_free_mb": info.fordblks / 2**20, "mmapped_mb": info.hblkhd / 2**20}
+        libc.malloc_trim(0)
+        row["rss_after_trim_mb"] = proc_status()["rss_mb"]
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    script, sys.argv = sys.argv[1], sys.argv[1:]
+    rank = os.environ.get("RANK", "0")
+    out = os.environ.get("HEAP_PROBE_OUT", f"heap_probe_rank{rank}.jsonl").replace("{rank}", rank)
+    threading.Thread(target=probe, args=(out, float(os.environ.get("HEAP_PROBE_INTERVAL", "20"))), daemon=True).start()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
