@@ -295,7 +295,8 @@ class _LogprobEntropy(torch.autograd.Function):
 
     Autograd would keep ~5 chunk-sized tensors for the backward; this keeps the scaled float32 logits only and
     writes the gradient over them in place: d(u logp + w H)/dz_i = u (onehot_i - p_i) - w p_i (log p_i + H).
-    Its backward runs once per forward (each chunk is recomputed for its backward).
+    Its backward runs once per forward (each chunk is recomputed for its backward); an output outside the loss gets
+    no gradient term (the entropy of a metric costs nothing in the backward).
     """
 
     @staticmethod
@@ -306,15 +307,17 @@ class _LogprobEntropy(torch.autograd.Function):
         logp = z.gather(-1, targets[:, None]).squeeze(-1) - log_norm
         entropy = log_norm - torch.linalg.vecdot(torch.softmax(z, dim=-1), z) if with_entropy else torch.zeros_like(logp)
         ctx.save_for_backward(z, targets, log_norm, entropy)
+        ctx.set_materialize_grads(False)  # None, not zeros, for an output the loss does not use
         ctx.temperature, ctx.dtype, ctx.with_entropy = temperature, logits.dtype, with_entropy
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         z, targets, log_norm, entropy = ctx.saved_tensors
+        grad_logp = torch.zeros_like(log_norm) if grad_logp is None else grad_logp
         log_p = z.sub_(log_norm[:, None])  # z is not needed again: reuse its memory
         p = log_p.exp()
-        if ctx.with_entropy:  # log_p becomes -(w (log p + H) + u), then p times it
+        if ctx.with_entropy and grad_entropy is not None:  # log_p becomes -(w (log p + H) + u), then p times it
             factor = log_p.add_(entropy[:, None]).mul_(grad_entropy[:, None]).add_(grad_logp[:, None]).neg_()
         else:
             factor = log_p.copy_(-grad_logp[:, None].expand_as(log_p))
@@ -664,6 +667,7 @@ if __name__ == "__main__":
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     updates_per_step = args.num_mini_batches * args.num_epochs
+    separate_pass = updates_per_step > 1 or args.kl_coef > 0  # else the training forward computes the old log-probs
     local_sequences = args.num_prompts_per_step // (args.num_mini_batches * world_size) * args.group_size
     grad_accum = local_sequences // args.micro_batch_size
     offload = {"device": "cpu"} if args.offload else {"device": "none"}
@@ -789,19 +793,17 @@ if __name__ == "__main__":
         lengths = torch.tensor([len(r) for r in responses])
 
         # ---- log-prob pass: old (sampling) policy, its entropy, reference policy ----
+        # skipped for a single on-policy update without reference model: the training forward gives them (old = current)
         t0 = time.time()
-        old_logps, ref_logps, entropy_sum, gap_sum = [], [], 0.0, 0.0
+        old_logps, ref_logps, entropy_sum = [], [], 0.0
         with torch.no_grad():
-            for s in range(0, len(responses), args.micro_batch_size):
+            for s in range(0, len(responses) if separate_pass else 0, args.micro_batch_size):
                 batch = collate(seq_prompts[s : s + args.micro_batch_size], responses[s : s + args.micro_batch_size], tokenizer.pad_token_id, device)
                 logp, entropy = logprobs(engine, batch, with_entropy=True)
                 old_logps.extend(logp.split(lengths[s : s + args.micro_batch_size].tolist()))
                 entropy_sum += entropy.sum().item()
                 if ref_model is not None:
                     ref_logps.extend(logprobs(ref_model, batch)[0].split(lengths[s : s + args.micro_batch_size].tolist()))
-                if samples[s][1] is not None:
-                    sampler_logp = torch.tensor([x for _, lp, _ in samples[s : s + args.micro_batch_size] for x in lp], device=device)
-                    gap_sum += (sampler_logp - logp.float()).abs().sum().item()
         logprob_time = time.time() - t0
 
         # ---- training: mini-batches of the rollout batch, normalised over all ranks ----
@@ -836,7 +838,10 @@ if __name__ == "__main__":
                 for s in range(mb.start, mb.stop, args.micro_batch_size):
                     idx = slice(s, s + args.micro_batch_size)
                     batch = collate(seq_prompts[idx], responses[idx], tokenizer.pad_token_id, device)
-                    logp, _ = logprobs(engine, batch)
+                    logp, entropy = logprobs(engine, batch, with_entropy=not separate_pass)
+                    if not separate_pass:  # the weights that sampled the batch: their log-probs are the old ones
+                        old_logps.extend(logp.detach().split(lengths[idx].tolist()))
+                        entropy_sum += entropy.sum().item()
                     old_logp = torch.cat(old_logps[idx])
                     adv = advantages[idx].to(device).repeat_interleave(lengths[idx].to(device))
                     weights = token_weights(lengths[idx], args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length).to(device)
@@ -884,6 +889,8 @@ if __name__ == "__main__":
 
         # ---- metrics: sums over ranks, then means ----
         n_seqs = len(responses)
+        gap_sum = sum((torch.tensor(lp, device=device) - old.float()).abs().sum().item()
+                      for (_, lp, _), old in zip(samples, old_logps) if lp is not None)  # vLLM's log-probs vs ours
         local = {
             "seqs": n_seqs, "tokens": lengths.sum().item(), "prompt_tokens": sum(len(p) for p in seq_prompts),
             "reward": rewards.sum().item(), "correct": (rewards == 1).sum().item(),

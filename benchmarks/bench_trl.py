@@ -16,8 +16,8 @@ Mapping of one training step (one rollout batch of P prompts x G completions, M 
   num_iterations 1, gradient_accumulation_steps 1, loss_type "dapo" (token sum / active tokens of the whole
   generation batch = our token-mean); a callback times on_step_begin -> on_step_end of each optimizer step, and the
   M steps that share one generation are summed.
-With M = 1 TRL skips its "old log-prob" forward (old = current, detached) while ours always runs the log-prob pass
-(it gives the entropy/full metric): ours does one more no-grad forward per step. With vLLM TRL always runs it.
+With M = 1 both skip the "old log-prob" forward (old = current, detached; ours takes entropy/full from the training
+forward); with M > 1 both run it. With vLLM TRL always runs it.
 
 Each variant runs as its own subprocess, variants alternating (A B A B ...) --repeats times; the first --warmup steps
 of every run are dropped, the median over the remaining steps of all repeats is reported, with the peak RSS of the

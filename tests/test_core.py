@@ -146,3 +146,16 @@ def test_logprob_entropy_backward_is_the_exact_gradient(temperature, with_entrop
     half = z.detach().bfloat16().requires_grad_()
     logp, _ = gv._LogprobEntropy.apply(half * 1.0, targets, temperature, with_entropy)
     assert logp.dtype == torch.float32 and torch.autograd.grad(logp.sum(), half)[0].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("used", ["logp", "entropy"])
+def test_logprob_entropy_backward_with_one_output_outside_the_loss(used):
+    """An output the loss does not use gets no gradient (None, not zeros): the other's gradient is still exact."""
+    torch.manual_seed(0)
+    z = torch.randn(5, 11, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (5,))
+    logp, entropy = gv._LogprobEntropy.apply(z * 1.0, targets, 0.8, True)
+    (grad,) = torch.autograd.grad((logp if used == "logp" else entropy).sum(), z)
+    log_probs = torch.log_softmax(z / 0.8, dim=-1)
+    ref = log_probs.gather(-1, targets[:, None]).sum() if used == "logp" else -(log_probs.exp() * log_probs).sum()
+    assert torch.allclose(grad, torch.autograd.grad(ref, z)[0], atol=1e-12)

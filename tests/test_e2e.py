@@ -99,3 +99,21 @@ def test_empty_dataset_is_one_clear_line(testbed, tmp_path):
     empty.write_text("")
     proc = run_script("grpo_vanilla.py", script_flags(testbed, dataset=empty), tmp_path / "out", nproc=0, timeout=120, check=False)
     _one_line_error(proc, str(empty))
+
+
+@pytest.mark.parametrize("script, extra", [("grpo_aent.py", {}), ("grpo_clipcov.py", {"cov-scope": "microbatch"})])
+def test_single_update_reads_old_logprobs_from_the_training_forward(testbed, tmp_path, script, extra):
+    """One on-policy update per batch skips the log-prob pass (old = current, detached). A reference model forces the
+    pass back; at --kl-coef 1e-12 its penalty is at float32 rounding, so both runs must agree to rounding."""
+    flags = {"total-steps": 3, "num-mini-batches": 1, **extra}
+    run_script(script, script_flags(testbed, **flags), tmp_path / "fold")
+    run_script(script, script_flags(testbed, **flags, **{"kl-coef": 1e-12}), tmp_path / "pass")
+    fold, separate = read_metrics(run_dir(tmp_path / "fold")), read_metrics(run_dir(tmp_path / "pass"))
+    assert len(fold) == len(separate) == 3
+    for a, b in zip(fold, separate):
+        assert a["time/logprob"] < 0.01 < b["time/logprob"]  # no pass, and a pass
+        for key in (k for k in a if not k.startswith(("time/", "charts/tokens"))):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+        assert a["rollout/vllm_logprob_gap"] < 1e-3 and a["entropy/full"] > 0
+    wa, wb = final_weights(run_dir(tmp_path / "fold")), final_weights(run_dir(tmp_path / "pass"))
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
