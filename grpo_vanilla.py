@@ -1,4 +1,5 @@
 # GRPO with a colocated vLLM engine per rank and DeepSpeed training; docs: README.md
+import ctypes
 import importlib
 import importlib.metadata
 import json
@@ -717,6 +718,10 @@ if __name__ == "__main__":
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    try:  # glibc keeps heap pages freed in a step (fragmentation): handed back after each step, RSS stays flat
+        malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        malloc_trim = lambda pad: None  # noqa: E731
 
     if eval_data and args.eval_every and start_step == 0:
         evaluate(0)  # the base policy
@@ -859,6 +864,7 @@ if __name__ == "__main__":
         done = step + 1 == args.total_steps
         if eval_data and args.eval_every and ((step + 1) % args.eval_every == 0 or done):
             evaluate(step + 1)
+        malloc_trim(0)
         stop = torch.tensor([float(stop_requested)], device=device)
         dist.all_reduce(stop)  # a signal to any rank stops them all
         stop_requested = bool(stop.item())

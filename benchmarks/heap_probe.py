@@ -5,7 +5,8 @@
 A daemon thread wakes every $HEAP_PROBE_INTERVAL seconds (default 20) and appends one line to $HEAP_PROBE_OUT
 (default heap_probe_rank<r>.jsonl): this process's RSS and anonymous RSS, the number of objects the garbage collector
 tracks, the live torch tensors (count and bytes of their storages), the bytes glibc's malloc holds (mallinfo2:
-in use vs free inside the heap), then calls malloc_trim(0) and records the RSS again. A leak keeps growing in live
+in use vs free inside the heap) and the object types whose number of live objects grew most since the first sample,
+then calls malloc_trim(0) and records the RSS again. A leak keeps growing in live
 objects, tensors or malloc's in-use bytes; memory that malloc frees but keeps (fragmentation) shows as free bytes and
 goes back to the system under malloc_trim, so the trimmed RSS stays flat.
 """
@@ -17,6 +18,7 @@ import runpy
 import sys
 import threading
 import time
+from collections import Counter
 
 
 class MallInfo2(ctypes.Structure):
@@ -48,6 +50,7 @@ def tensor_census() -> tuple:
 def probe(out: str, interval: float) -> None:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = MallInfo2
+    baseline = None
     while True:
         time.sleep(interval)
         before = proc_status()
@@ -56,7 +59,12 @@ def probe(out: str, interval: float) -> None:
         row = {"time": round(time.time(), 1), **before, "gc_objects": len(gc.get_objects()), "tensors": tensors,
                "tensor_mb": round(tensor_mb, 1), "malloc_in_use_mb": (info.uordblks + info.hblkhd) / 2**20,
                "malloc_free_mb": info.fordblks / 2**20, "mmapped_mb": info.hblkhd / 2**20}
+        counts = Counter(type(o).__qualname__ for o in gc.get_objects())
+        baseline = baseline or counts  # the types whose number of live objects grew most since the first sample
+        row["grown_types"] = dict((counts - baseline).most_common(8))
+        t = time.perf_counter()
         libc.malloc_trim(0)
+        row["trim_ms"] = round(1000 * (time.perf_counter() - t), 2)
         row["rss_after_trim_mb"] = proc_status()["rss_mb"]
         with open(out, "a") as f:
             f.write(json.dumps(row) + "\n")
