@@ -573,10 +573,11 @@ if __name__ == "__main__":
         args.run_name = os.path.basename(run_dir)
         with open(os.path.join(resume_from, "trainer_state.json")) as f:
             trainer_state = json.load(f)
-        if trainer_state.get("args", {}).get("world_size", world_size) != world_size:  # ZeRO partitions by world size
-            raise SystemExit(f"error: --resume {args.resume}: written by {trainer_state['args']['world_size']} processes, "
+        saved_args = trainer_state.get("args", {})
+        if saved_args.get("world_size", world_size) != world_size:  # ZeRO partitions by world size
+            raise SystemExit(f"error: --resume {args.resume}: written by {saved_args['world_size']} processes, "
                              f"launched with {world_size}; resume with the same number")
-        changed = changed_settings(trainer_state.get("args", {}), json.loads(json.dumps(asdict(args))))
+        changed = changed_settings(saved_args, json.loads(json.dumps(asdict(args))))
         if changed and not args.resume_allow_changes:
             raise SystemExit(f"error: --resume {args.resume}: settings differ from the checkpoint's: {'; '.join(changed)} (pass --resume-allow-changes to resume anyway)")
     else:
