@@ -1,13 +1,15 @@
 """Ours (grpo_vanilla.py) against TRL's GRPOTrainer doing the same work on a CPU: seconds per training step and peak RSS.
 
     python benchmarks/bench_trl.py                              # 3.36M random Qwen2, 2 prompts x 8 x 32 tokens
-    python benchmarks/bench_trl.py --steps 30 --repeats 3 --variants ours-hf trl-hf ours-vllm trl-vllm
+    python benchmarks/bench_trl.py --steps 30 --repeats 3 --variants ours-hf trl-hf trl-hf-zero2 ours-vllm trl-vllm
 
 Same work on both sides: the same model (a random-weights Qwen2 on the testbed tokenizer, see perf_common.random_qwen2;
 random weights never stop early, so every completion is exactly --max-response-length tokens), the same prompt file
 (the first --num-prompts problems of the testbed's train.jsonl, chat template applied by both), the same reward
 (math-verify via utils.reward.grade), sampling at T=1 / top_p 1 / top_k 0, fp32, no gradient checkpointing, AdamW at
 the same learning rate, grad-norm clipping at 1, no KL (ours --kl-coef 0, TRL beta=0), one process each.
+trl-hf-zero2 is TRL with DeepSpeed ZeRO-2 (its `deepspeed` config, via accelerate), the engine ours always trains with:
+the like-for-like peer for a multi-GPU codebase; trl-hf is TRL on plain PyTorch.
 
 Mapping of one training step (one rollout batch of P prompts x G completions, M optimizer updates):
 - ours: --num-prompts-per-step P --group-size G --num-mini-batches M --num-epochs 1 --micro-batch-size P*G/M
@@ -22,6 +24,8 @@ forward); with M > 1 both run it. With vLLM TRL always runs it.
 Each variant runs as its own subprocess, variants alternating (A B A B ...) --repeats times; the first --warmup steps
 of every run are dropped, the median over the remaining steps of all repeats is reported, with the peak RSS of the
 process (os.wait4) and the end-to-end wall time including start-up. Ratios are ours / TRL for the matching generator.
+Phases: TRL's "generation" is _generate_and_score_completions (sampling, reward, and with vLLM or M > 1 its old-log-prob
+forward), "hf_generate" the sampling alone (model.generate), comparable to ours' generation.
 On a shared machine other jobs stretch wall times: the table also gives the best run (the lowest per-run median) and
 the 1-minute load average seen at the start of the runs.
 """
@@ -72,11 +76,14 @@ def trl_child(a):
         max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0, save_strategy="no", logging_steps=10**6,
         shuffle_dataset=False, seed=1, dataloader_num_workers=0, disable_tqdm=True,
         use_vllm=a.vllm, vllm_mode="colocate", vllm_enable_sleep_mode=False,
+        deepspeed=({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                    "gradient_clipping": "auto", "bf16": {"enabled": False}, "zero_force_ds_cpu_optimizer": False}
+                   if a.zero2 else None),
     )
     timer = Timer()
     trainer = GRPOTrainer(model=a.model, reward_funcs=reward, args=config, train_dataset=data,
                           processing_class=tokenizer, callbacks=[timer])
-    phases = {"generation": [], "forward": [], "backward": []}  # per-call seconds of TRL's own methods
+    phases = {"generation": [], "hf_generate": [], "forward": [], "backward": []}  # per-call seconds of TRL's own methods
 
     def timed(name, fn):
         def wrapper(*args, **kw):
@@ -87,6 +94,7 @@ def trl_child(a):
         return wrapper
 
     trainer._generate_and_score_completions = timed("generation", trainer._generate_and_score_completions)
+    trainer.model.generate = timed("hf_generate", trainer.model.generate)  # the sampling alone, as ours' generation
     trainer.compute_loss = timed("forward", trainer.compute_loss)
     trainer.accelerator.backward = timed("backward", trainer.accelerator.backward)
     trainer.train()
@@ -98,6 +106,7 @@ def command(a, variant: str, out: str) -> list:
     py = sys.executable
     if variant.startswith("trl"):
         return [py, os.path.abspath(__file__), "--child", "--vllm" if variant == "trl-vllm" else "--no-vllm",
+                *(["--zero2"] if variant == "trl-hf-zero2" else []),
                 "--model", a.model, "--prompts", a.prompts, "--out", out, "--steps", str(a.steps),
                 "--num-prompts", str(a.num_prompts), "--group-size", str(a.group_size),
                 "--max-response-length", str(a.max_response_length), "--num-mini-batches", str(a.num_mini_batches),
@@ -136,8 +145,8 @@ def phase_times(variant: str, out: str, warmup: int) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", nargs="+", default=["ours-hf", "trl-hf", "ours-vllm", "trl-vllm"],
-                   choices=["ours-hf", "trl-hf", "ours-vllm", "trl-vllm"])
+    p.add_argument("--variants", nargs="+", default=["ours-hf", "trl-hf", "trl-hf-zero2", "ours-vllm", "trl-vllm"],
+                   choices=["ours-hf", "trl-hf", "trl-hf-zero2", "ours-vllm", "trl-vllm"])
     p.add_argument("--model", default=None, help="HF model dir (default: a 3.36M random Qwen2, see perf_common)")
     p.add_argument("--steps", type=int, default=25, help="training steps (rollout batches) per run")
     p.add_argument("--warmup", type=int, default=5, help="first steps of each run not counted")
@@ -150,6 +159,7 @@ def main():
     p.add_argument("--timeout", type=int, default=900, help="seconds per run")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=False, help=argparse.SUPPRESS)
+    p.add_argument("--zero2", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--prompts", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -166,7 +176,9 @@ def main():
                 continue
             out = os.path.join(work, f"{v}_{r}" + (".json" if v.startswith("trl") else ""))
             results[v]["load"].append(os.getloadavg()[0])
-            run = run_measured(command(a, v, out), {"MASTER_PORT": str(29600 + r)}, out + ".log", a.timeout)
+            env = {"MASTER_PORT": str(29600 + r)}  # DeepSpeed under TRL (accelerate) wants a 1-process distributed env
+            env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"} if v == "trl-hf-zero2" else {})
+            run = run_measured(command(a, v, out), env, out + ".log", a.timeout)
             if run["rc"] != 0:
                 results[v]["failed"] = f"exit {run['rc']}, log {run['log']}"
                 print(f"{v}: FAILED ({results[v]['failed']}):\n{tail(run['log'], 1500)}", file=sys.stderr)
@@ -192,12 +204,12 @@ def main():
         else:
             print(f"| {v} | {median(res['steps']):.3f} | {min(res['runs']):.3f} | {max(res['rss']) / 2**20:.0f} | "
                   f"{median(res['wall']):.1f} | {median(res['load']):.1f} |")
-    for gen in ("hf", "vllm"):
-        ours, trl = results.get(f"ours-{gen}"), results.get(f"trl-{gen}")
+    for gen, peer in (("hf", "hf"), ("hf", "hf-zero2"), ("vllm", "vllm")):
+        ours, trl = results.get(f"ours-{gen}"), results.get(f"trl-{peer}")
         if ours and trl and ours["steps"] and trl["steps"]:
             t, best, m = (median(ours["steps"]) / median(trl["steps"]), min(ours["runs"]) / min(trl["runs"]),
                           max(ours["rss"]) / max(trl["rss"]))
-            print(f"| ratio ours / TRL ({gen}) | {t:.2f} | {best:.2f} | {m:.2f} | "
+            print(f"| ratio ours / TRL ({peer}) | {t:.2f} | {best:.2f} | {m:.2f} | "
                   f"{median(ours['wall']) / median(trl['wall']):.2f} | |")
     print("phases, median seconds per step:", "; ".join(
         f"{v}: " + ", ".join(f"{k} {median(xs):.3f}" for k, xs in res.get("phases", {}).items())
