@@ -18,6 +18,7 @@ import runpy
 import sys
 import threading
 import time
+import warnings
 from collections import Counter
 
 
@@ -36,9 +37,12 @@ def tensor_census() -> tuple:
     import torch
 
     count, storages = 0, {}
-    for obj in gc.get_objects():
+    with warnings.catch_warnings():  # isinstance() on some torch module attributes warns of their deprecation
+        warnings.simplefilter("ignore")
+        objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in objects:
         try:
-            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            if obj.device.type == "cpu":
                 count += 1
                 storage = obj.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
@@ -53,15 +57,16 @@ def probe(out: str, interval: float) -> None:
     baseline = None
     while True:
         time.sleep(interval)
-        before = proc_status()
-        info = libc.mallinfo2()
         tensors, tensor_mb = tensor_census()
-        row = {"time": round(time.time(), 1), **before, "gc_objects": len(gc.get_objects()), "tensors": tensors,
-               "tensor_mb": round(tensor_mb, 1), "malloc_in_use_mb": (info.uordblks + info.hblkhd) / 2**20,
-               "malloc_free_mb": info.fordblks / 2**20, "mmapped_mb": info.hblkhd / 2**20}
-        counts = Counter(type(o).__qualname__ for o in gc.get_objects())
+        objects = gc.get_objects()
+        counts = Counter(type(o).__qualname__ for o in objects)
         baseline = baseline or counts  # the types whose number of live objects grew most since the first sample
-        row["grown_types"] = dict((counts - baseline).most_common(8))
+        row = {"time": round(time.time(), 1), "gc_objects": len(objects), "tensors": tensors, "tensor_mb": round(tensor_mb, 1),
+               "grown_types": dict((counts - baseline).most_common(8))}
+        del objects, counts
+        info = libc.mallinfo2()  # read after the census, so that RSS before and after the trim differ by the trim alone
+        row.update(proc_status(), malloc_in_use_mb=(info.uordblks + info.hblkhd) / 2**20,
+                   malloc_free_mb=info.fordblks / 2**20, mmapped_mb=info.hblkhd / 2**20)
         t = time.perf_counter()
         libc.malloc_trim(0)
         row["trim_ms"] = round(1000 * (time.perf_counter() - t), 2)

@@ -1,4 +1,5 @@
 """The performance benchmarks run and print well-formed tables (correctness only: timings are not checked)."""
+import json
 import os
 import re
 import subprocess
@@ -45,3 +46,27 @@ def test_bench_logprob_memory_skips_over_budget():
                          "1024", "--chunk-size", "32", "--check-tokens", "64", "--in-process", "--max-gb", "0.001"])
     (row,) = [r for r in table_rows(out) if r[0] == "4096"]
     assert row[2].startswith("skipped: estimated")
+
+
+def test_heap_probe_sees_live_tensors_and_growing_types(tmp_path):
+    """heap_probe.py runs a script with its probe beside it: a script that keeps allocating shows up in live tensors
+    and in the types that grew; the probe's malloc_trim never raises RSS (give or take the script's own allocations)."""
+    script = tmp_path / "grow.py"
+    script.write_text(
+        "import time, torch\n"
+        "class Kept: pass\n"
+        "kept = []\n"
+        "for _ in range(30):\n"
+        "    kept.append((torch.ones(256, 1024), Kept()))  # 1 MB and one object per 0.1 s\n"
+        "    time.sleep(0.1)\n"
+    )
+    out = tmp_path / "probe.jsonl"
+    env = {**os.environ, **CPU_ENV, "HEAP_PROBE_OUT": str(out), "HEAP_PROBE_INTERVAL": "0.5"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "heap_probe.py"), str(script)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) >= 3
+    assert rows[-1]["tensor_mb"] - rows[0]["tensor_mb"] >= 1 and rows[-1]["tensors"] > rows[0]["tensors"]
+    assert rows[-1]["grown_types"].get("Kept", 0) >= 2
+    assert all(r["rss_after_trim_mb"] <= r["rss_mb"] + 3 and r["malloc_in_use_mb"] > 0 for r in rows)
