@@ -897,8 +897,8 @@ if __name__ == "__main__":
 
         # ---- metrics: sums over ranks, then means ----
         n_seqs = len(responses)
-        gap_sum = sum((torch.tensor(lp, device=device) - old.float()).abs().sum().item()
-                      for (_, lp, _), old in zip(samples, old_logps) if lp is not None)  # vLLM's log-probs vs ours
+        sampler_logps = [x for _, lp, _ in samples if lp is not None for x in lp]  # vLLM's, on the sampled tokens
+        gap_sum = (torch.tensor(sampler_logps, device=device) - torch.cat(old_logps).float()).abs().sum().item() if sampler_logps else 0.0
         local = {
             "seqs": n_seqs, "tokens": lengths.sum().item(), "prompt_tokens": sum(len(p) for p in seq_prompts),
             "reward": rewards.sum().item(), "correct": (rewards == 1).sum().item(),
