@@ -3,12 +3,12 @@
     python benchmarks/heap_probe.py grpo_aent.py [flags]          (soak.py --heap-probe launches it this way)
 
 A daemon thread wakes every $HEAP_PROBE_INTERVAL seconds (default 20) and appends one line to $HEAP_PROBE_OUT
-(default heap_probe_rank<r>.jsonl): this process's RSS and anonymous RSS, the number of objects the garbage collector
-tracks, the live torch tensors (count and bytes of their storages), the bytes glibc's malloc holds (mallinfo2:
-in use vs free inside the heap) and the object types whose number of live objects grew most since the first sample,
-then calls malloc_trim(0) and records the RSS again. A leak keeps growing in live
-objects, tensors or malloc's in-use bytes; memory that malloc frees but keeps (fragmentation) shows as free bytes and
-goes back to the system under malloc_trim, so the trimmed RSS stays flat.
+(default heap_probe_rank<r>.jsonl): the live torch tensors (count and bytes of their storages), the number of objects
+the garbage collector tracks and the types whose count grew most since the first sample, this process's RSS and
+anonymous RSS, the bytes glibc's malloc holds (mallinfo2: in use vs free inside the heap); then it calls
+malloc_trim(0) and records the RSS again. A leak keeps growing in live objects, tensors or malloc's in-use bytes;
+memory that malloc frees but keeps (fragmentation) shows as free bytes and goes back to the system under malloc_trim,
+so the trimmed RSS stays flat.
 """
 import ctypes
 import gc
