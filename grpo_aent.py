@@ -67,6 +67,9 @@ class Args:
     """evaluate every this many steps (and after the last one); 0 disables"""
     eval_num_prompts: int = 500
     """evaluate on at most this many held-out prompts"""
+    eval_samples: int = 0
+    """besides the greedy answer, sample this many responses per eval prompt at the training temperature: eval/mean_acc,
+    eval/pass@k (unbiased estimator, k = 2, 4, 8, ... and this) and eval/entropy; 0: greedy only"""
     max_prompt_length: int = 1024
     """prompts longer than this (in tokens) are dropped and counted, never truncated"""
     max_response_length: int = 3072
@@ -203,6 +206,7 @@ def validate_args(args: Args, world_size: int) -> None:
         (0 < args.vllm_gpu_memory_utilization <= 1, "--vllm-gpu-memory-utilization must be in (0, 1]"),
         (args.eval_every >= 0, f"--eval-every must be >= 0 (got {args.eval_every})"),
         (args.eval_num_prompts >= 1, f"--eval-num-prompts must be >= 1 (got {args.eval_num_prompts})"),
+        (args.eval_samples >= 0, f"--eval-samples must be >= 0 (got {args.eval_samples})"),
         (args.save_every >= 0, f"--save-every must be >= 0 (got {args.save_every})"),
         (args.keep_checkpoints >= 1, f"--keep-checkpoints must be >= 1 (got {args.keep_checkpoints})"),
         (0 <= args.clamp_p < 1, f"--clamp-p must be in [0, 1) (got {args.clamp_p})"),
@@ -554,6 +558,12 @@ def generate(args, llm, engine, tokenizer, prompts: list, seeds: list, n: int, g
     return results
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of the chance that at least one of k samples is right, from n samples with c right (k <= n):
+    1 - C(n - c, k) / C(n, k) (Chen et al. 2021)."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
 def all_reduce_sums(values: dict, device) -> dict:
     """Sum every value over all ranks (keys in a fixed order on every rank)."""
     keys = sorted(values)
@@ -591,7 +601,7 @@ def git_commit() -> str:
 RESUME_MAY_CHANGE = {
     "track", "wandb_project_name", "wandb_entity", "wandb_group", "wandb_tags", "output_dir", "local_rank", "resume",
     "resume_allow_changes", "world_size", "run_name", "git_commit", "total_steps", "save_every", "keep_checkpoints",
-    "eval_dataset", "eval_every", "eval_num_prompts", "micro_batch_size", "logprob_chunk_size", "offload",
+    "eval_dataset", "eval_every", "eval_num_prompts", "eval_samples", "micro_batch_size", "logprob_chunk_size", "offload",
     "gradient_checkpointing", "vllm_gpu_memory_utilization", "vllm_sleep_level", "max_bad_steps",
 }
 
@@ -798,15 +808,45 @@ if __name__ == "__main__":
             wandb.log(metrics, step=step)
 
     def evaluate(step: int) -> None:
-        shard = eval_data[rank::world_size]
-        correct = length = 0.0
-        outs = generate(args, llm, engine, tokenizer, [p for p, _ in shard], [0] * len(shard), 1, True, device, tp_group)
+        """Greedy accuracy; with --eval-samples n, also n samples per prompt at the training temperature (seeded by the
+        prompt's position only: every evaluation and every run draws the same way), whose entropy the trainer computes."""
+        shard, n = eval_data[rank::world_size], args.eval_samples
+        prompts = [p for p, _ in shard]
+        outs = generate(args, llm, engine, tokenizer, prompts, [0] * len(shard), 1, True, device, tp_group)
+        local = {"correct": 0.0, "length": 0.0, "sampled_correct": 0.0, "tokens": 0.0, "entropy": 0.0}
+        local.update({f"pass@{k}": 0.0 for k in eval_ks})
         for (ids, _, _), (_, answer) in zip(outs, shard):
-            correct += grade(tokenizer.decode(ids, skip_special_tokens=True), answer)[0]
-            length += len(ids)
-        totals = all_reduce_sums({"correct": correct, "length": length}, device)
-        log({"eval/acc": totals["correct"] / len(eval_data), "eval/response_length": totals["length"] / len(eval_data)}, step)
+            local["correct"] += grade(tokenizer.decode(ids, skip_special_tokens=True), answer)[0]
+            local["length"] += len(ids)
+        if n:
+            seeds = [(rank + i * world_size) * n for i in range(len(shard))]  # global position x n
+            sampled = [ids for ids, _, _ in generate(args, llm, engine, tokenizer, prompts, seeds, n, False, device, tp_group)]
+            for i, (_, answer) in enumerate(shard):
+                c = sum(grade(tokenizer.decode(ids, skip_special_tokens=True), answer)[0] == 1 for ids in sampled[i * n : (i + 1) * n])
+                local["sampled_correct"] += c
+                for k in eval_ks:
+                    local[f"pass@{k}"] += pass_at_k(n, c, k)
+            local["tokens"] = sum(len(ids) for ids in sampled)
+            seq_prompts = [prompts[i // n] for i in range(len(sampled))]
+            mbs = args.micro_batch_size
+            calls = torch.tensor([math.ceil(len(sampled) / mbs)], device=device)
+            dist.all_reduce(calls, op=dist.ReduceOp.MAX)  # ZeRO-3 gathers weights per forward: every rank calls alike
+            with torch.no_grad():
+                for s in range(0, int(calls.item()) * mbs, mbs):
+                    idx = slice(s, s + mbs) if s < len(sampled) else slice(0, 1)  # a rank out of prompts repeats one
+                    batch = collate(seq_prompts[idx], sampled[idx], tokenizer.pad_token_id, device)
+                    entropy = logprobs(engine, batch, with_entropy=True)[1]
+                    local["entropy"] += entropy.sum().item() if s < len(sampled) else 0.0
+        totals = all_reduce_sums(local, device)
+        metrics = {"eval/acc": totals["correct"] / len(eval_data), "eval/response_length": totals["length"] / len(eval_data)}
+        if n:
+            metrics["eval/mean_acc"] = totals["sampled_correct"] / (n * len(eval_data))
+            metrics.update({f"eval/pass@{k}": totals[f"pass@{k}"] / len(eval_data) for k in eval_ks})
+            metrics["eval/entropy"] = totals["entropy"] / max(totals["tokens"], 1)
+            metrics["eval/sampled_response_length"] = totals["tokens"] / (n * len(eval_data))
+        log(metrics, step)
 
+    eval_ks = sorted({min(2**i, args.eval_samples) for i in range(1, args.eval_samples.bit_length() + 1)})  # 2, 4, ..., n
     # ZeRO-3 gathers weights per call, so every rank calls the head equally often (bounded by the longest batch)
     head_calls = math.ceil(args.micro_batch_size * args.max_response_length / args.logprob_chunk_size) if args.zero_stage == 3 else None
 

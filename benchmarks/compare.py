@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python benchmarks/compare.py` must find benchmarks/metrics.py
     sys.path.insert(0, ROOT)
 
-from benchmarks.metrics import AENT, COV, EVAL, REWARD, label  # noqa: E402
+from benchmarks.metrics import AENT, COV, EVAL, EVAL_SAMPLED, REWARD, label  # noqa: E402
 
 
 @dataclass
@@ -188,6 +188,54 @@ def fmt(values: list, digits: int = 3) -> str:
     return mean if lo == hi else f"{mean} ({lo}-{hi})"
 
 
+# two-sided 95% quantiles of Student's t by degrees of freedom (1-30; beyond: 1.96 at infinity, within 0.05)
+T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120,
+       2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def t95(df: float) -> float:
+    """The 97.5% quantile of Student's t at df degrees of freedom (rounded down to a whole number: conservative)."""
+    df = int(math.floor(df))
+    return math.nan if df < 1 else T95[df - 1] if df <= len(T95) else 1.96 + 2.4 / df
+
+
+def mean_ci(values: list) -> tuple:
+    """(mean, half-width of its 95% t interval) over seeds; the half-width is NaN with one seed."""
+    x = np.array([v for v in values if v is not None and not math.isnan(v)], dtype=float)
+    if len(x) == 0:
+        return math.nan, math.nan
+    return float(x.mean()), (t95(len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)) if len(x) > 1 else math.nan)
+
+
+def diff_ci(values: list, base: list) -> tuple:
+    """(mean difference, half-width of its 95% Welch interval) of a method's seeds minus the baseline's."""
+    a, b = (np.array([v for v in vs if v is not None and not math.isnan(v)], dtype=float) for vs in (values, base))
+    if len(a) < 2 or len(b) < 2:
+        return (float(a.mean() - b.mean()) if len(a) and len(b) else math.nan), math.nan
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    se = math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)) if se > 0 else len(a) + len(b) - 2
+    return float(a.mean() - b.mean()), t95(df) * se
+
+
+def fmt_ci(mean: float, half: float, digits: int = 3, signed: bool = False) -> str:
+    """'mean ± half' ('mean' alone with one seed, '-' without data); a difference whose interval excludes 0 gets '*'."""
+    if math.isnan(mean):
+        return "-"
+    text = f"{mean:+.{digits}f}" if signed else f"{mean:.{digits}f}"
+    if math.isnan(half):
+        return text
+    return f"{text} ± {half:.{digits}f}" + (" *" if signed and abs(mean) > half else "")
+
+
+def final_values(run: dict, key: str) -> tuple:
+    """(value at step 0, value at the last logged step) of one metric of one run (None where absent)."""
+    steps, values = series(run["rows"], key)
+    if not len(values):
+        return None, None
+    return (values[0] if steps[0] == 0 else None), values[-1]
+
+
 def plot_curves(plt, path: str, groups: dict, colors: dict, panels: list, smooth: int) -> bool:
     """One PNG, one panel per (metric, label): mean over seeds and its min-max band per method. False if no data."""
     panels = [(k, label) for k, label in panels if any(aggregate(rs, k) is not None for rs in groups.values())]
@@ -262,7 +310,7 @@ if __name__ == "__main__":
     figures = {
         "entropy.png": [(E, f"{E} (nats)")],
         "reward.png": [(k, label(k)) for k in REWARD],
-        "eval_acc.png": [(EVAL[0], label(EVAL[0]))],
+        "eval_acc.png": [(k, label(k)) for k in (EVAL[0], *EVAL_SAMPLED)],
         "aent.png": [(k, label(k)) for k in AENT],
         "cov.png": [(k, label(k)) for k in COV],  # panels no run logged are left out
     }
@@ -307,10 +355,32 @@ if __name__ == "__main__":
              f"moving average; eval acc: at step 0 (the initial policy) / last / best after step 0; ranges are min-max "
              f"over seeds. Law fitted on ({E}, {metric}) pairs of every step of every seed. Benchmarks: "
              f"benchmarks/eval.py's mean@k averaged over its sets, from <run>/eval/results.json when present.\n")
-    markdown = "\n".join(lines) + "\n" + notes + "".join(f"\n![{n}]({n})\n" for n in written)
+    # the held-out metrics with 95% intervals over seeds, and each method minus the baseline
+    pass_keys = sorted({k for r in runs for row in r["rows"] for k in row if k.startswith("eval/pass@")},
+                       key=lambda k: int(k.split("@")[1]))
+    keys = [k for k in ("eval/acc", "eval/mean_acc", *pass_keys[-1:], "eval/entropy", E)
+            if any(len(series(r["rows"], k)[0]) for r in runs)]
+    finals = {m: {k: [final_values(r, k)[1] for r in rs] for k in keys} for m, rs in groups.items()}
+    base_runs = groups.get(args.baseline, [])
+    ci_lines = ["| method | seeds | " + " | ".join(keys) + " |", "|" + " --- |" * (len(keys) + 2)]
+    if base_runs:
+        initial = [mean_ci([final_values(r, k)[0] for r in base_runs]) for k in keys]
+        ci_lines.append(f"| initial policy (step 0) | {len(base_runs)} | " + " | ".join(fmt_ci(*c) for c in initial) + " |")
+    for m in methods:
+        ci_lines.append(f"| {m} | {len(groups[m])} | " + " | ".join(fmt_ci(*mean_ci(finals[m][k])) for k in keys) + " |")
+        table[m]["final"] = {k: mean_ci(finals[m][k]) for k in keys}
+    for m in methods:
+        if m != args.baseline and base_runs:
+            diffs = [diff_ci(finals[m][k], finals[args.baseline][k]) for k in keys]
+            ci_lines.append(f"| {m} - {args.baseline} | | " + " | ".join(fmt_ci(*d, signed=True) for d in diffs) + " |")
+            table[m]["minus_baseline"] = dict(zip(keys, diffs))
+    ci_notes = (f"\nAt the last evaluation (entropy/full: the last step): mean ± half-width of the 95% t interval over "
+                f"seeds; differences: Welch's 95% interval, * where it excludes 0 (significant at the 5% level).\n")
+    markdown = "\n".join(ci_lines) + "\n" + ci_notes + "\n" + "\n".join(lines) + "\n" + notes + "".join(f"\n![{n}]({n})\n" for n in written)
     with open(os.path.join(args.output_dir, "compare.md"), "w") as f:
         f.write(markdown)
     with open(os.path.join(args.output_dir, "compare.json"), "w") as f:
         json.dump({"law_metric": metric, "entropy_metric": E, "methods": table}, f, indent=2, default=float)
+    print("\n".join(ci_lines))
     print("\n".join(lines))
     print(f"wrote {', '.join(written)}, compare.md and compare.json to {args.output_dir}")

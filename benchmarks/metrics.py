@@ -5,6 +5,8 @@ AENT = ("entropy/clamped", "entropy/coef")  # AEnt's clamped entropy H_S and its
 ENTROPY = ("entropy/full", *AENT)
 REWARD = ("rollout/reward", "rollout/accuracy")
 EVAL = ("eval/acc", "eval/response_length")  # greedy, on --eval-dataset, every --eval-every steps
+# with --eval-samples k: k samples per eval prompt at the training temperature (pass@k for k = 2, 4, 8, ... and k)
+EVAL_SAMPLED = ("eval/mean_acc", "eval/pass@16", "eval/entropy")
 COV = ("cov/selected_frac", "cov/selected_mean", "cov/mean", "cov/kl_selected", "cov/clipped_frac")  # KL-Cov, Clip-Cov
 THROUGHPUT = ("charts/tokens_per_second",)
 TIME = ("time/step", "time/generation", "time/logprob", "time/training", "time/weight_push", "time/cov_selection")
@@ -13,6 +15,10 @@ LABELS = {
     "entropy/full": "full-vocabulary entropy (nats)",
     "entropy/clamped": "clamped entropy (nats)",
     "entropy/coef": "AEnt coefficient",
+    "eval/acc": "held-out accuracy, greedy",
+    "eval/mean_acc": "held-out accuracy, sampled (mean@k)",
+    "eval/pass@16": "held-out pass@16",
+    "eval/entropy": "entropy of held-out samples (nats)",
     "cov/selected_frac": "Cov: fraction of tokens selected",
     "cov/selected_mean": "Cov: mean covariance of the selected",
     "cov/mean": "Cov: mean covariance of all tokens",

@@ -1,14 +1,23 @@
-"""Plot reward, accuracy and entropy per step of one or more runs: python benchmarks/plot_run.py runs/<run> [...]"""
+"""Plot reward, entropy and held-out accuracy per step of one or more runs: python benchmarks/plot_run.py runs/<run> [...]
+
+Each curve is smoothed (a centred moving average; `--smooth`, in steps) over its raw points, drawn faint.
+The plot goes to <first run>/plot.png.
+"""
+import argparse
 import json
 import os
-import sys
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-PANELS = [("rollout/reward", "reward"), ("entropy/full", "entropy (nats)"), ("eval/acc", "eval accuracy (greedy)")]
+# (panel title, [(metric, label)]): several metrics share a panel when they share a scale
+PANELS = [
+    ("reward (training samples)", [("rollout/reward", "reward")]),
+    ("entropy (nats per response token)", [("entropy/full", "training samples"), ("eval/entropy", "eval samples")]),
+    ("held-out accuracy", [("eval/acc", "greedy"), ("eval/mean_acc", "sampled (mean@k)"), ("eval/pass@16", "pass@16")]),
+]
 
 
 def read_metrics(run_dir: str) -> list:
@@ -16,24 +25,42 @@ def read_metrics(run_dir: str) -> list:
         return [json.loads(line) for line in f]
 
 
-def main(run_dirs: list) -> None:
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.5))
+def smooth(values: list, window: int) -> list:
+    """Centred moving average over `window` points (fewer at the ends)."""
+    half = max(window, 1) // 2
+    return [sum(values[max(0, i - half) : i + half + 1]) / len(values[max(0, i - half) : i + half + 1])
+            for i in range(len(values))]
+
+
+def main(run_dirs: list, window: int) -> str:
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(5.5 * len(PANELS), 3.8))
+    color = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 10)
     for run_dir in run_dirs:
         rows = read_metrics(run_dir)
-        for ax, (key, label) in zip(axes, PANELS):
-            points = [(r["step"], r[key]) for r in rows if key in r]
-            if points:
-                ax.plot(*zip(*points), marker="." if len(points) < 30 else None, label=os.path.basename(run_dir.rstrip("/")))
+        name = os.path.basename(run_dir.rstrip("/"))
+        for ax, (title, metrics) in zip(axes, PANELS):
+            for key, label in metrics:
+                points = [(r["step"], r[key]) for r in rows if key in r]
+                if not points:
+                    continue
+                steps, values = zip(*points)
+                c = next(color)
+                dense = len(points) > 30  # per-step metrics: smooth them; evaluations are few and plotted as they are
+                ax.plot(steps, values, ".", color=c, alpha=0.25 if dense else 0.8, markersize=3 if dense else 5)
+                ax.plot(steps, smooth(list(values), window) if dense else values, "-", color=c,
+                        label=label if len(run_dirs) == 1 else f"{name}: {label}")
+            ax.set_title(title, fontsize=10)
             ax.set_xlabel("step")
-            ax.set_ylabel(label)
-    axes[0].legend(fontsize=7)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     out = os.path.join(run_dirs[0], "plot.png")
     fig.savefig(out, dpi=100)
-    print(f"wrote {out}")
+    return out
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        raise SystemExit("usage: python benchmarks/plot_run.py RUN_DIR [RUN_DIR ...]")
-    main(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dirs", nargs="+", help="run directories (each with a metrics.jsonl)")
+    parser.add_argument("--smooth", type=int, default=15, help="moving-average window for per-step curves, in steps")
+    args = parser.parse_args()
+    print(f"wrote {main(args.run_dirs, args.smooth)}")
