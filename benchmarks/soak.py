@@ -129,11 +129,12 @@ def main():
     tb = build_testbed(log=lambda *x: None)
     out_dir = os.path.abspath(a.output or os.path.join(ROOT, "runs", f"soak_{a.script.removesuffix('.py')}_{int(time.time())}"))
     os.makedirs(out_dir, exist_ok=True)
-    flags = override(testbed_args(), {**SOAK_FLAGS, "--total-steps": str(a.steps), "--output-dir": out_dir})
+    flags = override(testbed_args(), {**SOAK_FLAGS, "--total-steps": str(a.steps), "--output-dir": out_dir,
+                                      "--model-name-or-path": tb.model_dir, "--dataset": tb.train_file,
+                                      "--eval-dataset": tb.test_file})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc), "--master_port", str(free_port()),
            *([os.path.join(ROOT, "benchmarks", "heap_probe.py")] if a.heap_probe else []),
-           os.path.join(ROOT, a.script), "--model-name-or-path", tb.model_dir, "--dataset", tb.train_file,
-           "--eval-dataset", tb.test_file, *flags, *shlex.split(a.extra)]
+           os.path.join(ROOT, a.script), *flags, *shlex.split(a.extra)]
     print(" ".join(cmd), flush=True)
     ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphaned descendants re-parent to us, stay in the tree
     log = open(os.path.join(out_dir, "soak_launcher.log"), "w")

@@ -22,7 +22,7 @@ def free_port() -> int:
 
 def script_flags(tb, **overrides) -> list:
     flags = {"model-name-or-path": tb.model_dir, "dataset": tb.train_file, "total-steps": 2, "num-prompts-per-step": 4,
-             "group-size": 4, "max-prompt-length": 128, "max-response-length": 12, "num-mini-batches": 1,
+             "group-size": 4, "max-prompt-length": 128, "max-response-length": 40, "num-mini-batches": 1,
              "micro-batch-size": 8, "learning-rate": 5e-4, "save-every": 0, "eval-every": 0, "logprob-chunk-size": 16}
     flags.update(overrides)
     out = []

@@ -143,7 +143,7 @@ def test_hf_generate_fallback_matches_the_testbeds_own_measurement(testbed, tmp_
     """Greedy HF generate over the testbed's whole test set: the accuracy and entropy utils/testbed.py measured itself."""
     out = str(tmp_path)
     run_eval(["--model-name-or-path", testbed.model_dir, "--datasets", testbed.test_file, "--greedy", "--no-use-vllm",
-              "--hf-batch-size", "64", "--output-dir", out, "--max-prompt-length", "128", "--max-response-length", "16"])
+              "--hf-batch-size", "64", "--output-dir", out, "--max-prompt-length", "128", "--max-response-length", "48"])
     rows = read_jsonl(os.path.join(out, "samples.jsonl"))
     assert [(r["index"], r["sample"]) for r in rows] == [(i, 0) for i in range(len(rows))]
     assert all((r["reward"], r["status"]) == grade(r["response"], r["answer"]) for r in rows[:50])

@@ -40,6 +40,17 @@ def test_build_is_cached_and_complete(testbed):
     assert testbed.stats["recipe"] == dataclasses.asdict(tb_mod.Recipe())
 
 
+def test_shipped_testbed_matches_its_recorded_hashes():
+    """The repository's testbed/ is the build stats.json describes: every file's sha256, nothing missing or extra."""
+    with open(os.path.join(tb_mod.SHIPPED_DIR, "stats.json")) as f:
+        stats = json.load(f)
+    assert stats["version"] == tb_mod.VERSION and stats["recipe"] == dataclasses.asdict(tb_mod.Recipe())
+    assert tb_mod.files_sha256(tb_mod.SHIPPED_DIR) == stats["files_sha256"]
+    assert {"model/model.safetensors", "model/tokenizer.json", "train.jsonl", "test.jsonl"} <= stats["files_sha256"].keys()
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(tb_mod.SHIPPED_DIR, "model"), dtype=torch.float32)
+    assert tb_mod.weights_sha256(model) == stats["weights_sha256"]
+
+
 def test_data_is_correct_and_train_test_disjoint(testbed):
     r = tb_mod.Recipe()
     train, test = load_problems(testbed.train_file), load_problems(testbed.test_file)
@@ -48,18 +59,39 @@ def test_data_is_correct_and_train_test_disjoint(testbed):
     raw = tb_mod.read_jsonl(testbed.train_file)
     assert set(raw[0]) == {"problem", "answer"} and all(isinstance(p["answer"], str) for p in raw)
     for p in train[:200] + test[:200]:
-        a, op, b = p["problem"].removeprefix("What is ").removesuffix("?").split()
-        assert p["answer"] == str(int(a) + int(b) if op == "+" else int(a) - int(b))
+        a, op1, b, op2, c = p["problem"].removeprefix("What is ").removesuffix("?").split()
+        assert all(10 <= int(x) <= 99 for x in (a, b, c)) and {op1, op2} <= {"+", "-"} and (op1, op2) != ("-", "-")
+        assert p["answer"] == str(int(a) + (1 if op1 == "+" else -1) * int(b) + (1 if op2 == "+" else -1) * int(c))
     # SFT problems (not written out) are disjoint from both, so base accuracy is the same on train and test
-    splits = tb_mod.split_problems(tb_mod.make_problems(r.seed), r)
+    splits = tb_mod.split_problems(tb_mod.make_problems(r.seed, r.n_test + r.n_train + r.n_dev + r.n_sft, r.minus_share), r)
+    assert [p["problem"] for p in splits["train"]] == [p["problem"] for p in train]
     sft = {p["problem"] for p in splits["sft"] + splits["dev"]}
     assert not sft & {p["problem"] for p in train + test}
 
 
-def test_sft_target_is_what_the_reward_pays_for(testbed):
-    for p in load_problems(testbed.test_file)[:5]:
-        assert math_reward(tb_mod.response_text(p["answer"]), p["answer"]) == 1.0
-        assert math_reward(tb_mod.response_text(str(int(p["answer"]) + 1)), p["answer"]) == 0.0
+def test_sft_targets_are_right_and_plausible_wrong_solutions():
+    import random
+
+    r = tb_mod.Recipe()
+    rows = tb_mod.make_problems(5, 4000, r.minus_share)
+    targets = tb_mod.sft_targets(rows, r)
+    right = [math_reward(t, row["answer"]) for t, row in zip(targets, rows)]
+    # each of the two sums is a slip with probability step_error_rate; a + b - c is also misread as a + b + c
+    slip_free = (1 - r.step_error_rate) ** 2
+    last = [i for i, row in enumerate(rows) if row["terms"][2] < 0]
+    rest = [i for i in range(len(rows)) if i not in set(last)]
+    assert abs(len(last) / len(rows) - r.minus_share) < 0.03
+    assert abs(sum(right[i] for i in rest) / len(rest) - slip_free) < 0.04
+    assert abs(sum(right[i] for i in last) / len(last) - slip_free * (1 - r.misread_rate)) < 0.03
+    paths = [tb_mod.first_path(t, row["terms"]) for t, row in zip(targets, rows)]
+    assert all(abs(paths.count(p) / len(rows) - 1 / 3) < 0.04 for p in range(3))
+    for row in rows[:100]:
+        for p in range(3):  # every path without slips is paid for, with the same answer
+            assert math_reward(tb_mod.solution(row["terms"], p), row["answer"]) == 1.0
+    rng = random.Random(0)
+    for x, y in [(37, 48), (20, 31), (99, 99), (52, -27), (60, -10)]:
+        wrong = {tb_mod.slip(x, y, rng) for _ in range(200)}
+        assert x + y not in wrong and wrong <= {x + y - 10, x + y - 1, x + y + 1, x + y + 10}
 
 
 def test_tokenizer_loads_with_the_trained_ids(testbed, tok):
@@ -70,8 +102,9 @@ def test_tokenizer_loads_with_the_trained_ids(testbed, tok):
     assert tok.convert_tokens_to_ids(tb_mod.SPECIAL_TOKENS) == [0, 1, 2]
     # retraining (deterministic) and the raw tokenizers file give the same ids as AutoTokenizer
     r = tb_mod.Recipe()
-    splits = tb_mod.split_problems(tb_mod.make_problems(r.seed), r)
-    corpus = [tb_mod.chatml(f"{p['problem']}\n{INSTRUCTION}", tb_mod.response_text(p["answer"])) for p in splits["sft"]]
+    splits = tb_mod.split_problems(tb_mod.make_problems(r.seed, r.n_test + r.n_train + r.n_dev + r.n_sft, r.minus_share), r)
+    targets = tb_mod.sft_targets(splits["sft"], r)
+    corpus = [tb_mod.chatml(f"{p['problem']}\n{INSTRUCTION}", t) for p, t in zip(splits["sft"], targets)]
     trained = tb_mod.train_tokenizer(corpus, r.vocab_size)
     raw = Tokenizer.from_file(os.path.join(testbed.model_dir, "tokenizer.json"))
     assert trained.get_vocab() == tok.get_vocab() and len(tok) == testbed.stats["vocab_size"]
@@ -88,12 +121,12 @@ def test_tokenizer_loads_with_the_trained_ids(testbed, tok):
 
 
 def test_chat_template_and_prompt(testbed, tok):
-    prompt = format_prompt("What is 37 + 48?", tok)
-    assert prompt == f"<|im_start|>user\nWhat is 37 + 48?\n{INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+    prompt = format_prompt("What is 37 + 48 + 26?", tok)
+    assert prompt == f"<|im_start|>user\nWhat is 37 + 48 + 26?\n{INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)
     assert tok.decode(ids["input_ids"]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    response = tok(tb_mod.response_text("185"), add_special_tokens=False)["input_ids"]
-    assert len(response) + 1 <= 8  # the whole response, eos included, is a handful of tokens
+    response = tok(tb_mod.solution((37, 48, 26), 0), add_special_tokens=False)["input_ids"]
+    assert 25 <= len(response) + 1 <= 36  # a worked solution: ~31 tokens, eos included
 
 
 def test_model_config(testbed, model, tok):
@@ -110,19 +143,21 @@ def test_model_config(testbed, model, tok):
 
 def test_saved_model_is_the_measured_one(testbed, model, tok):
     assert tb_mod.weights_sha256(model) == testbed.stats["weights_sha256"]
-    rows = load_problems(testbed.test_file)
-    m = tb_mod.teacher_forced(model, tok, *tb_mod.encode_sft(rows, tok))
-    assert m["expected_acc"] == pytest.approx(testbed.stats["expected_sampled_accuracy"], abs=1e-4)
+    r = tb_mod.Recipe()
+    greedy = tb_mod.measure(model, tok, tb_mod.make_problems(r.seed, r.n_test, r.minus_share), n_samples=0)
+    assert greedy["accuracy"] == pytest.approx(testbed.stats["greedy_accuracy"], abs=0.006)  # 3 of 500 near-ties
 
 
-def test_base_policy_has_partial_accuracy_and_entropy(testbed):
+def test_base_policy_is_in_the_regime_of_real_rl(testbed):
+    """Greedy mostly right, a sample at T=1 much less often, 16 samples almost always: pass@1 low, pass@16 high;
+    the uncertainty spread over the response and over the three solution paths."""
     s = testbed.stats
-    assert 0.10 <= s["sampled_accuracy"] <= 0.60, s
-    assert s["sampled_accuracy"] - 0.05 <= s["greedy_accuracy"] <= 0.8, s
-    assert abs(s["sampled_accuracy"] - s["expected_sampled_accuracy"]) < 0.05, s  # sampling agrees with the math
-    assert s["entropy"] > 0.15, s  # nats per response token, sampled at T=1
-    assert s["truncated"] < 0.02 and s["response_len"] <= 8, s
-    assert s["all_equal_groups_of_8"] < 0.6, s  # most GRPO groups carry signal
+    assert 0.25 <= s["sampled_accuracy"] <= 0.6 and s["greedy_accuracy"] >= s["sampled_accuracy"] + 0.2, s
+    assert s["pass_at_k"]["1"] == pytest.approx(s["sampled_accuracy"]) and s["pass_at_k"]["16"] >= 0.9, s
+    assert s["entropy"] > 0.08, s  # nats per response token, sampled at T=1
+    assert s["truncated"] < 0.01 and 25 <= s["response_len"] <= 36, s
+    assert all(share > 0.2 for share in s["path_share"][:3]) and s["path_share"][3] < 0.1, s
+    assert s["all_equal_groups_of_8"] < 0.5, s  # most GRPO groups carry signal
 
 
 def test_default_generate_samples_the_policy(testbed, model, tok):
@@ -135,29 +170,31 @@ def test_default_generate_samples_the_policy(testbed, model, tok):
               add_special_tokens=False)
     torch.manual_seed(123)
     with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=16, num_return_sequences=4)
+        out = model.generate(**enc, max_new_tokens=48, num_return_sequences=4)
     texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     acc = sum(last_boxed(t) == rows[i // 4]["answer"] for i, t in enumerate(texts)) / len(texts)
-    assert abs(acc - testbed.stats["sampled_accuracy"]) < 0.1, acc
+    assert abs(acc - testbed.stats["sampled_accuracy"]) < 0.08, acc
     varied = sum(len(set(texts[i : i + 4])) > 1 for i in range(0, len(texts), 4)) / len(rows)
-    assert varied > 0.5, varied  # samples, not the greedy answer four times
+    assert varied > 0.8, varied  # samples, not the greedy answer four times
 
 
 def test_build_in_a_fresh_dir_is_atomic_cached_and_reproducible(tmp_path):
     """The whole pipeline on a toy recipe: a complete dir appears (nothing left behind), a second call reuses it, and
     a forced rebuild gives bit-identical weights and data."""
-    r = tb_mod.Recipe(n_test=24, n_train=40, n_dev=16, hidden_size=64, num_heads=2, num_kv_heads=1,
-                      intermediate_size=128, max_steps=4, eval_every=2, target_acc=0.0, min_acc=0.0)
+    r = tb_mod.Recipe(n_test=8, n_train=40, n_dev=8, n_sft=200, hidden_size=64, num_heads=2, num_kv_heads=1,
+                      intermediate_size=128, sft_steps=4, eval_every=2, eval_samples=2)
     logs = []
     tb = tb_mod.build_testbed(str(tmp_path / "tb"), recipe=r, log=logs.append)
     assert sorted(os.listdir(tmp_path)) == ["tb", "tb.lock"]
     assert sorted(os.listdir(tmp_path / "tb")) == ["model", "stats.json", "test.jsonl", "train.jsonl"]
-    assert tb.stats["sft"]["chosen_step"] == 2 and len(load_problems(tb.train_file)) == 40 and logs
+    assert [h["step"] for h in tb.stats["sft"]["history"]] == [2, 4] and len(load_problems(tb.train_file)) == 40
+    assert tb_mod.files_sha256(str(tmp_path / "tb")) == tb.stats["files_sha256"] and logs
     first_data = open(tb.train_file).read() + open(tb.test_file).read()
     logs.clear()
     assert tb_mod.build_testbed(str(tmp_path / "tb"), recipe=r, log=logs.append).stats == tb.stats and not logs
     again = tb_mod.build_testbed(str(tmp_path / "tb"), recipe=r, force=True, log=logs.append)
     assert logs and again.stats["weights_sha256"] == tb.stats["weights_sha256"]
+    assert again.stats["files_sha256"] == tb.stats["files_sha256"]
     assert open(tb.train_file).read() + open(tb.test_file).read() == first_data
     assert sorted(os.listdir(tmp_path)) == ["tb", "tb.lock"]
 
@@ -165,6 +202,8 @@ def test_build_in_a_fresh_dir_is_atomic_cached_and_reproducible(tmp_path):
 def test_cache_ignores_unfinished_and_stale_builds(tmp_path, monkeypatch):
     monkeypatch.setenv("GRPO_TESTBED_DIR", str(tmp_path / "tb"))
     assert tb_mod.default_cache_dir() == str(tmp_path / "tb")
+    monkeypatch.delenv("GRPO_TESTBED_DIR")
+    assert tb_mod.default_cache_dir() == tb_mod.SHIPPED_DIR == os.path.join(ROOT, "testbed")
     r = tb_mod.Recipe()
     d = tmp_path / "tb"
     d.mkdir()
@@ -184,7 +223,7 @@ import json, sys
 from vllm import LLM, SamplingParams
 prompts = json.loads(sys.stdin.read())
 llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=128, seed=0, enforce_eager=True)
-outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=16))
+outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=48))
 print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """
 
@@ -198,7 +237,7 @@ def test_vllm_greedy_matches_hf_greedy(testbed, model, tok):
     enc = tok([format_prompt(p["problem"], tok) for p in rows], return_tensors="pt", padding=True,
               add_special_tokens=False)
     with torch.no_grad():
-        out = model.generate(**enc, do_sample=False, max_new_tokens=16, output_logits=True,
+        out = model.generate(**enc, do_sample=False, max_new_tokens=48, output_logits=True,
                              return_dict_in_generate=True)
     top2 = torch.stack(out.logits, 1).topk(2, dim=-1).values
     gaps = top2[..., 0] - top2[..., 1]

@@ -1,37 +1,36 @@
-"""A laptop-scale stand-in for real GRPO runs: tiny Qwen2 + tokenizer + synthetic arithmetic, built offline.
+"""A laptop-scale stand-in for real GRPO runs: tiny Qwen2 + tokenizer + a worked arithmetic task, built offline.
 
-`build_testbed()` builds once, and caches on disk, what a GRPO script needs on a 2-core CPU: a byte-level BPE
-tokenizer (Qwen2Tokenizer, ChatML), a 1.3M-parameter Qwen2 (hidden 256, 2 layers, 8 heads of 32, fp32) warmed up
-by a short SFT so the base policy is right about a third of the time at T=1, and train/test jsonl files
-("problem", "answer"). CLI: `python -m utils.testbed [--out DIR] [--force]` prints the paths and base stats.
+The built testbed ships with the repository in `testbed/` (model weights, tokenizer, data, and stats.json with the
+base policy's measured stats and the sha256 of every file), so every machine trains the same base policy;
+`python -m utils.testbed --force` rebuilds it from the recipe below (~7 min on one core; another CPU or thread count
+may change the last bits of the weights: compare the hashes).
 
-Task: "What is 37 + 48?" / "What is 91 - 56?" with a, b in [10, 99] (a >= b for -): 12,195 problems.
-The SFT target is only the boxed answer, `\\boxed{85}<|im_end|>`: 6-7 tokens, of which the 2-3 digits are the
-uncertain ones. Why so short: a prototype whose target was a worked line ("37 + 48 = 85, so the answer is
-\\boxed{85}", ~22 tokens) spent ~20 tokens copying a template, so its response-mean entropy (~0.1 nats) was
-mostly dilution and moved slowly under GRPO. Here the mean token entropy (~0.3 nats) is the answer's own
-uncertainty, and a rollout is a handful of tokens. The model ignores the prompt's "reason step by step"; the reward
-(math-verify on the last \\boxed{}) does not need it. Digits are single tokens (Qwen2's splitting rules), so the
-model must learn the carry to get the leading digit right: this is what SFT is stopped in the middle of.
+Task: three two-digit numbers, "What is 37 + 48 + 26?", and with a quarter each "a - b + c" and "a + b - c" (the
+subtracted number smaller than the other two). A solution combines two of the numbers, then the third:
+    37 + 26 = 63. 63 + 48 = 111. \\boxed{111}
+about 31 tokens (digits are single tokens, Qwen2's splitting rules). Three paths are valid (which pair goes first) and
+the SFT data takes one at random. The SFT data is a mixture of right and plausible wrong solutions:
+- each of the two sums is written wrong with probability `step_error_rate` (a units or tens digit off by one, or a
+  dropped carry or borrow), the next step carrying the wrong value on correctly;
+- "a + b - c" is read as "a + b + c" with probability `misread_rate` (a misconception: the minus of "a - b + c" is
+  always read right, which is where the model learns to subtract).
 
-Splits (disjoint): SFT problems (used only here), a dev slice (picks the SFT checkpoint), train.jsonl (4,000, for
-GRPO) and test.jsonl (500). SFT never sees train or test, so the base accuracy is the same on both.
+What this gives the base policy (measured on test.jsonl, stats.json): the regime of a pretrained model on MATH.
+A sample at T=1 is right about a quarter of the time, greedy decoding about 60%, and 16 samples solve most problems
+once (pass@1 low, pass@16 high): the right solution is there, as minority mass. Its uncertainty is spread over the
+response (the path, the digits of both sums, the sign of the last step) rather than 2-3 answer digits. GRPO can raise
+accuracy a lot by sharpening: dropping the slips and amplifying the minority reading of the minus, and it collapses
+the entropy while doing so.
 
-SFT stops by measurement, not by a step count: every `eval_every` steps it computes, from one forward pass, the
-dev set's expected sampled accuracy at T=1 (mean probability of sampling the exact target: no sampling noise) and
-keeps the checkpoint closest to `target_acc` inside [min_acc, max_acc]; accuracy climbs from ~5% to ~50% within
-~100 steps, so the window is narrow. The kept model is then measured on test.jsonl with HF generate (8 samples per
-prompt at T=1, top_k=0, top_p=1, and greedy) into stats.json.
+Splits (disjoint problems): SFT (used only here), dev (SFT progress log), train.jsonl (4,000, for GRPO), test.jsonl
+(500). SFT never sees train or test, so the base accuracy is the same on both. SFT runs a fixed number of steps.
 
-Determinism: everything is seeded and SFT runs on `num_threads` torch threads; the same recipe on the same machine
-gives the same weights (stats.json records their sha256). Another thread count or CPU may change the last bits and
-hence the chosen checkpoint. Bump VERSION whenever the recipe changes (a cache made by another VERSION or recipe is
-rebuilt anyway).
+Determinism: everything is seeded and the build runs on `num_threads` torch threads; the same recipe on the same
+machine gives the same weights (stats.json records their sha256). Bump VERSION whenever the recipe changes.
 """
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import fcntl
 import hashlib
@@ -43,7 +42,7 @@ import shutil
 import tempfile
 import time
 
-VERSION = "testbed-v2"
+VERSION = "testbed-v3"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: pad, -, eos
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -51,6 +50,9 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "testbed")
+PATHS = ((0, 1, 2), (0, 2, 1), (1, 2, 0))
+"""The three solution paths: (first, second, third) operand positions; the first two are added first."""
 
 
 @dataclasses.dataclass
@@ -59,30 +61,36 @@ class Recipe:
 
     seed: int = 0
     num_threads: int = 1
-    """torch threads while building (the weights depend on it): 2 threads were ~1.8x faster on 2 idle cores but 4-6x
-    slower than 1 whenever other processes shared the cores (OpenMP threads wait on each other)"""
+    """torch threads while building (the weights depend on it)"""
     n_test: int = 500
     n_train: int = 4000
     n_dev: int = 256
+    n_sft: int = 35244
+    minus_share: float = 0.25
+    """share of problems a - b + c, and again of a + b - c (the rest: a + b + c)"""
+    step_error_rate: float = 0.3
+    """chance that an SFT solution writes one of its two sums wrong (each independently)"""
+    misread_rate: float = 0.75
+    """chance that an SFT solution of a + b - c reads its last minus as a plus (the base policy's misconception; the
+    minus of a - b + c is always read right, which is where the model learns to subtract)"""
     vocab_size: int = 400
-    """BPE vocabulary cap incl. 256 bytes + 3 special tokens (the task text saturates at 334; the config pads the
+    """BPE vocabulary cap incl. 256 bytes + 3 special tokens (the task text saturates below it; the config pads the
     embedding to a multiple of 64)"""
-    hidden_size: int = 256
+    hidden_size: int = 128
     num_layers: int = 2
-    num_heads: int = 8
-    """head_dim 32 (vLLM CPU accepts 32, 64, 80, ...); 8 heads learn the carry in ~300 steps, 4 heads (dim 64) ~600"""
-    num_kv_heads: int = 4
-    intermediate_size: int = 512
+    num_heads: int = 4
+    """head_dim 32 (vLLM CPU accepts 32, 64, 80, ...)"""
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
     max_position_embeddings: int = 512
     batch_size: int = 64
     lr: float = 1e-3
-    """2e-3 stalls on a plateau for hundreds of steps at this size"""
     warmup_steps: int = 20
-    max_steps: int = 3000
-    eval_every: int = 20
-    target_acc: float = 0.30
-    min_acc: float = 0.15
-    max_acc: float = 0.50
+    sft_steps: int = 1750
+    eval_every: int = 250
+    """log SFT loss and dev greedy accuracy every this many steps"""
+    eval_samples: int = 16
+    """samples per test prompt for the base stats (mean accuracy, pass@k, entropy)"""
 
 
 @dataclasses.dataclass
@@ -98,22 +106,35 @@ class Testbed:
 
 
 def default_cache_dir() -> str:
-    return os.environ.get("GRPO_TESTBED_DIR") or os.path.join(os.path.expanduser("~/.cache/grpo-entropy"), VERSION)
+    return os.environ.get("GRPO_TESTBED_DIR") or SHIPPED_DIR
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Data
 
 
-def make_problems(seed: int) -> list[dict]:
-    """All 12,195 problems a + b and a - b (a >= b), a, b in [10, 99], shuffled with `seed`."""
-    rows = []
-    for a in range(10, 100):
-        for b in range(10, 100):
-            rows.append({"problem": f"What is {a} + {b}?", "answer": str(a + b)})
-            if a >= b:
-                rows.append({"problem": f"What is {a} - {b}?", "answer": str(a - b)})
-    random.Random(seed).shuffle(rows)
+def make_problems(seed: int, n: int, minus_share: float = 0.25) -> list[dict]:
+    """n distinct problems in a seeded order, with their signed terms: a + b + c, and with probability minus_share
+    each a - b + c or a + b - c. a, b, c in [10, 99]; a subtracted number is smaller than the other two (no path has
+    a negative intermediate)."""
+    rng, seen, rows = random.Random(seed), set(), []
+    while len(rows) < n:
+        a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(10, 99)
+        kind = rng.random()
+        if kind < 2 * minus_share:
+            k = 1 if kind < minus_share else 2  # which term is subtracted
+            others = [x for i, x in enumerate((a, b, c)) if i != k]
+            if min(others) <= 10:
+                continue
+            terms = [a, b, c]
+            terms[k] = -rng.randint(10, min(others) - 1)
+            terms = tuple(terms)
+        else:
+            terms = (a, b, c)
+        if terms not in seen:
+            seen.add(terms)
+            problem = "What is {}?".format(f"{terms[0]}" + "".join(f" {'-' if t < 0 else '+'} {abs(t)}" for t in terms[1:]))
+            rows.append({"problem": problem, "answer": str(sum(terms)), "terms": terms})
     return rows
 
 
@@ -123,15 +144,44 @@ def split_problems(rows: list[dict], r: Recipe) -> dict[str, list[dict]]:
     return {"test": test, "train": train, "dev": dev, "sft": sft}
 
 
-def response_text(answer: str) -> str:
-    """The SFT target (before eos): just the boxed answer."""
-    return f"\\boxed{{{answer}}}"
+def slip(x: int, y: int, rng: random.Random) -> int:
+    """A plausible wrong value of x + y (y < 0: a subtraction): units or tens digit off by one, or the carry (borrow)
+    dropped when the units carry (borrow)."""
+    s = x + y
+    carry = x % 10 + y % 10 >= 10 if y >= 0 else x % 10 < -y % 10
+    options = [s - 1, s + 1, s - 10, s + 10] + ([s - 10 if y >= 0 else s + 10] if carry else [])
+    return rng.choice(options)
+
+
+def solution(terms, path: int, rng: random.Random | None = None, error_rate: float = 0.0,
+             misread_rate: float = 0.0) -> str:
+    """The worked solution along PATHS[path] (a pair starting with a subtracted number is written the other way round:
+    c - b, not -b + c). With `rng`, each sum is a slip() with probability error_rate, and a subtraction in the last
+    place (a + b - c) is read as an addition with probability misread_rate (the misconception)."""
+    if rng is not None and terms[2] < 0 and rng.random() < misread_rate:
+        terms = (terms[0], terms[1], -terms[2])
+    i, j, k = PATHS[path]
+    x, y, z = (terms[j], terms[i], terms[k]) if terms[i] < 0 else (terms[i], terms[j], terms[k])
+    s1 = slip(x, y, rng) if rng is not None and rng.random() < error_rate else x + y
+    s2 = slip(s1, z, rng) if rng is not None and rng.random() < error_rate else s1 + z
+
+    def op(v):
+        return f"- {-v}" if v < 0 else f"+ {v}"
+
+    return f"{x} {op(y)} = {s1}. {s1} {op(z)} = {s2}. \\boxed{{{s2}}}"
+
+
+def sft_targets(rows: list[dict], r: Recipe) -> list[str]:
+    """One sampled solution per SFT problem: a random path, each sum wrong with probability step_error_rate, a
+    subtraction misread as an addition with probability misread_rate."""
+    rng = random.Random(r.seed + 1)
+    return [solution(row["terms"], rng.randrange(len(PATHS)), rng, r.step_error_rate, r.misread_rate) for row in rows]
 
 
 def write_jsonl(path: str, rows: list[dict]) -> None:
     with open(path, "w") as f:
         for row in rows:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps({"problem": row["problem"], "answer": row["answer"]}) + "\n")
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -220,14 +270,14 @@ def make_model(r: Recipe, vocab_size: int, tok):
     return model
 
 
-def encode_sft(rows: list[dict], tok) -> tuple[list[list[int]], list[int]]:
+def encode_sft(rows: list[dict], targets: list[str], tok) -> tuple[list[list[int]], list[int]]:
     """Token ids of prompt + response + eos, and the prompt length of each row."""
     from utils.data import format_prompt
 
     seqs, prompt_lens = [], []
-    for row in rows:
+    for row, target in zip(rows, targets):
         p = tok(format_prompt(row["problem"], tok), add_special_tokens=False)["input_ids"]
-        c = tok(response_text(row["answer"]), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        c = tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         seqs.append(p + c)
         prompt_lens.append(len(p))
     return seqs, prompt_lens
@@ -248,91 +298,84 @@ def sft_batch(seqs, prompt_lens, idx, pad_id):
     return ids, mask, labels
 
 
-def measure(model, tok, rows: list[dict], sample: bool, seed: int = 0, n_samples: int = 1,
-            max_new_tokens: int = 16, batch_size: int = 256) -> dict:
-    """HF generate at T=1 (top_k=0, top_p=1) or greedy: accuracy (exact match of the last boxed answer; math-verify
-    agrees on integers), mean response-token entropy (nats, token mean, eos included), mean response length,
-    truncation rate (no eos within max_new_tokens), and the fraction of prompts whose n_samples are all right or
-    all wrong (zero-advantage GRPO groups)."""
+def first_path(text: str, terms) -> int | None:
+    """Which of PATHS a response starts on (its first two numbers, as written, signs ignored), or None."""
+    import re
+
+    numbers = sorted(int(x) for x in re.findall(r"\d+", text)[:2])
+    for p, (i, j, _) in enumerate(PATHS):
+        if numbers == sorted([abs(terms[i]), abs(terms[j])]):
+            return p
+    return None
+
+
+def measure(model, tok, rows: list[dict], n_samples: int, seed: int = 0, max_new_tokens: int = 48,
+            batch_size: int = 64) -> dict:
+    """HF generate at T=1 (top_k=0, top_p=1) with n_samples per prompt, or greedy (n_samples=0): accuracy (exact match
+    of the last boxed answer; math-verify agrees on integers), pass@k (unbiased estimator, k = 1, 2, 4, .., n),
+    mean response-token entropy (nats, token mean, eos included), response length, truncation rate (no eos within
+    max_new_tokens), the share of each solution path, and for 8+ samples the fraction of prompts whose first 8
+    samples are all right or all wrong (zero-advantage GRPO groups of 8)."""
     import torch
 
     from utils.data import format_prompt
     from utils.reward import last_boxed
 
     model.eval()
-    correct, ent_sum, n_tok, n_trunc, all_equal = [], 0.0, 0, 0, 0
-    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
+    n = max(n_samples, 1)
+    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if n_samples else dict(do_sample=False)
+    correct, ent_sum, n_tok, n_trunc, paths = [], 0.0, 0, 0, [0] * (len(PATHS) + 1)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for s in range(0, len(rows), batch_size):
             chunk = rows[s : s + batch_size]
             enc = tok([format_prompt(r["problem"], tok) for r in chunk], return_tensors="pt", padding=True,
                       add_special_tokens=False)
-            out = model.generate(**enc, **sampling, max_new_tokens=max_new_tokens, num_return_sequences=n_samples,
+            out = model.generate(**enc, **sampling, max_new_tokens=max_new_tokens, num_return_sequences=n,
                                  output_logits=True, return_dict_in_generate=True)
             resp = out.sequences[:, enc["input_ids"].shape[1] :]
-            # response tokens up to and including the first eos
             is_eos = resp == tok.eos_token_id
-            valid = (is_eos.long().cumsum(1) - is_eos.long()) == 0
-            logits = torch.stack(out.logits, 1).float()
-            logp = torch.log_softmax(logits, -1)
-            ent = -(logp.exp() * logp).sum(-1)
-            ent_sum += float((ent * valid).sum())
+            valid = (is_eos.long().cumsum(1) - is_eos.long()) == 0  # response tokens up to and including eos
+            logp = torch.log_softmax(torch.stack(out.logits, 1).float(), -1)
+            ent_sum += float((-(logp.exp() * logp).sum(-1) * valid).sum())
             n_tok += int(valid.sum())
             n_trunc += int((~is_eos.any(1)).sum())
             texts = tok.batch_decode(resp, skip_special_tokens=True)
-            ok = [(last_boxed(t) or "").strip() == chunk[k // n_samples]["answer"] for k, t in enumerate(texts)]
-            correct += ok
-            for k in range(0, len(ok), n_samples):
-                all_equal += len(set(ok[k : k + n_samples])) == 1
-    n = len(correct)
-    return {
-        "accuracy": sum(correct) / n,
+            correct += [(last_boxed(t) or "").strip() == chunk[k // n]["answer"] for k, t in enumerate(texts)]
+            for k, t in enumerate(texts):
+                path = first_path(t, chunk[k // n]["terms"])
+                paths[len(PATHS) if path is None else path] += 1
+    per_prompt = [sum(correct[i : i + n]) for i in range(0, len(correct), n)]
+    stats = {
+        "accuracy": sum(correct) / len(correct),
         "entropy": ent_sum / max(n_tok, 1),
-        "response_len": n_tok / n,
-        "truncated": n_trunc / n,
-        "all_equal_groups": all_equal / len(rows) if n_samples > 1 else None,
+        "response_len": n_tok / len(correct),
+        "truncated": n_trunc / len(correct),
+        "path_share": [round(c / len(correct), 4) for c in paths],
     }
-
-
-def teacher_forced(model, tok, seqs, prompt_lens, batch_size: int = 256) -> dict:
-    """Exact expected sampled accuracy at T=1 (mean probability of sampling the target response, eos included),
-    greedy accuracy and mean per-token entropy of the SFT targets, from forward passes: no sampling noise."""
-    import torch
-
-    model.eval()
-    p_seq, greedy, ent_sum, n_tok = [], [], 0.0, 0
-    with torch.no_grad():
-        for s in range(0, len(seqs), batch_size):
-            idx = list(range(s, min(s + batch_size, len(seqs))))
-            ids, mask, labels = sft_batch(seqs, prompt_lens, idx, tok.pad_token_id)
-            logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), -1)
-            labels = labels[:, 1:]
-            m = labels != -100
-            lp = logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0]
-            p_seq += (lp * m).sum(1).exp().tolist()
-            greedy += ((logp.argmax(-1) == labels) | ~m).all(1).tolist()
-            ent_sum += float((-(logp.exp() * logp).sum(-1) * m).sum())
-            n_tok += int(m.sum())
-    n = len(p_seq)
-    return {"expected_acc": sum(p_seq) / n, "greedy_acc": sum(greedy) / n, "entropy": ent_sum / n_tok}
+    if n_samples:
+        ks = sorted({min(2**i, n) for i in range(n.bit_length() + 1)})
+        stats["pass@k"] = {k: sum(1 - math.comb(n - c, k) / math.comb(n, k) for c in per_prompt) / len(per_prompt)
+                           for k in ks}
+    if n_samples >= 8:
+        groups = [correct[i : i + 8] for i in range(0, len(correct), n)]
+        stats["all_equal_groups_of_8"] = sum(len(set(g)) == 1 for g in groups) / len(groups)
+    return stats
 
 
 def sft(model, tok, sft_rows, dev_rows, r: Recipe, log=print, max_steps: int | None = None) -> dict:
-    """Supervised warm-up (AdamW, linear warm-up, constant lr, loss on response tokens only). Every eval_every steps
-    measure the dev expected sampled accuracy; keep the checkpoint closest to target_acc inside [min_acc, max_acc]
-    and stop once accuracy passes target_acc. Loads the chosen weights into `model`; returns the SFT history."""
+    """Supervised warm-up on the noisy worked solutions (AdamW, linear warm-up, constant lr, loss on response tokens
+    only), a fixed number of steps; logs the loss and the dev greedy accuracy every eval_every steps."""
     import torch
 
-    seqs, prompt_lens = encode_sft(sft_rows, tok)
-    dev_seqs, dev_prompt_lens = encode_sft(dev_rows, tok)
+    seqs, prompt_lens = encode_sft(sft_rows, sft_targets(sft_rows, r), tok)
     gen = torch.Generator().manual_seed(r.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=r.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / r.warmup_steps))
-    best, history, order = None, [], torch.empty(0, dtype=torch.long)
-    max_steps = r.max_steps if max_steps is None else max_steps
+    history, order = [], torch.empty(0, dtype=torch.long)
+    steps = r.sft_steps if max_steps is None else max_steps
     t0 = time.time()
-    for step in range(1, max_steps + 1):
+    for step in range(1, steps + 1):
         if len(order) < r.batch_size:
             order = torch.cat([order, torch.randperm(len(seqs), generator=gen)])
         idx, order = order[: r.batch_size].tolist(), order[r.batch_size :]
@@ -344,23 +387,11 @@ def sft(model, tok, sft_rows, dev_rows, r: Recipe, log=print, max_steps: int | N
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % r.eval_every == 0:
-            m = teacher_forced(model, tok, dev_seqs, dev_prompt_lens)
-            history.append({"step": step, "loss": round(loss.item(), 4), **{k: round(v, 4) for k, v in m.items()}})
-            log(f"sft step {step:4d}  loss {loss.item():.3f}  dev: expected sampled acc {m['expected_acc']:.3f}  "
-                f"greedy acc {m['greedy_acc']:.3f}  target entropy {m['entropy']:.3f}  ({time.time() - t0:.0f}s)")
-            acc = m["expected_acc"]
-            if r.min_acc <= acc <= r.max_acc:
-                if best is None or abs(acc - r.target_acc) < abs(best[0] - r.target_acc):
-                    best = (acc, step, copy.deepcopy(model.state_dict()))
-            if acc >= r.target_acc:
-                break
-    if best is None:
-        if max_steps < r.max_steps:
-            return {"steps": step, "chosen_step": None, "history": history}  # a truncated run (tests)
-        raise RuntimeError(f"SFT never reached dev accuracy in [{r.min_acc}, {r.max_acc}]: {history}")
-    model.load_state_dict(best[2])
-    return {"steps": step, "chosen_step": best[1], "chosen_dev_expected_acc": round(best[0], 4), "history": history}
+        if step % r.eval_every == 0 or step == steps:
+            greedy = measure(model, tok, dev_rows, n_samples=0)["accuracy"]
+            history.append({"step": step, "loss": round(loss.item(), 4), "dev_greedy_acc": round(greedy, 4)})
+            log(f"sft step {step:4d}  loss {loss.item():.3f}  dev greedy acc {greedy:.3f}  ({time.time() - t0:.0f}s)")
+    return {"steps": steps, "history": history}
 
 
 def weights_sha256(model) -> str:
@@ -383,19 +414,20 @@ def _build(out_dir: str, r: Recipe, log=print) -> dict:
     from utils.data import INSTRUCTION
 
     t0, c0 = time.time(), time.process_time()
-    splits = split_problems(make_problems(r.seed), r)
+    splits = split_problems(make_problems(r.seed, r.n_test + r.n_train + r.n_dev + r.n_sft, r.minus_share), r)
     write_jsonl(os.path.join(out_dir, "train.jsonl"), splits["train"])
     write_jsonl(os.path.join(out_dir, "test.jsonl"), splits["test"])
-    corpus = [chatml(f"{row['problem']}\n{INSTRUCTION}", response_text(row["answer"])) for row in splits["sft"]]
+    targets = sft_targets(splits["sft"], r)
+    corpus = [chatml(f"{row['problem']}\n{INSTRUCTION}", t) for row, t in zip(splits["sft"], targets)]
     tok = train_tokenizer(corpus, r.vocab_size)
     model = make_model(r, len(tok), tok)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"tokenizer: {len(tok)} tokens; model: {n_params / 1e6:.2f}M parameters; SFT on {len(splits['sft'])} problems")
     hist = sft(model, tok, splits["sft"], splits["dev"], r, log=log)
     sft_time = time.time() - t0
-    sampled = measure(model, tok, splits["test"], sample=True, seed=r.seed + 1, n_samples=8)
-    greedy = measure(model, tok, splits["test"], sample=False)
-    expected = teacher_forced(model, tok, *encode_sft(splits["test"], tok))
+    log("measuring the base policy on test.jsonl")
+    sampled = measure(model, tok, splits["test"], n_samples=r.eval_samples, seed=r.seed + 1)
+    greedy = measure(model, tok, splits["test"], n_samples=0)
     model_dir = os.path.join(out_dir, "model")
     model.save_pretrained(model_dir, safe_serialization=True)
     tok.save_pretrained(model_dir)
@@ -406,22 +438,37 @@ def _build(out_dir: str, r: Recipe, log=print) -> dict:
         "config_vocab_size": model.config.vocab_size,
         "n_params": n_params,
         "sft": hist,
-        # base policy on test.jsonl, HF generate, max 16 new tokens; sampled: 8 samples per prompt at T=1
+        # base policy on test.jsonl, HF generate, max 48 new tokens; sampled: eval_samples per prompt at T=1
         "sampled_accuracy": sampled["accuracy"],
         "greedy_accuracy": greedy["accuracy"],
-        "expected_sampled_accuracy": expected["expected_acc"],
+        "pass_at_k": {str(k): v for k, v in sampled["pass@k"].items()},
         "entropy": sampled["entropy"],
         "greedy_entropy": greedy["entropy"],
         "response_len": sampled["response_len"],
         "truncated": sampled["truncated"],
-        "all_equal_groups_of_8": sampled["all_equal_groups"],
+        "path_share": sampled["path_share"],
+        "all_equal_groups_of_8": sampled["all_equal_groups_of_8"],
         "weights_sha256": weights_sha256(model),
+        "files_sha256": files_sha256(out_dir),
         "sft_time_s": round(sft_time, 1),
         "build_time_s": round(time.time() - t0, 1),
         "build_cpu_s": round(time.process_time() - c0, 1),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+
+
+def files_sha256(root: str) -> dict:
+    """sha256 of every file under root except stats.json (which records them), by relative path."""
+    hashes = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, root)
+            if rel != "stats.json":
+                with open(path, "rb") as f:
+                    hashes[rel] = hashlib.sha256(f.read()).hexdigest()
+    return dict(sorted(hashes.items()))
 
 
 def _load(cache_dir: str, r: Recipe) -> Testbed | None:
@@ -460,9 +507,9 @@ def _quiet_and_isolated(num_threads: int):
 
 def build_testbed(cache_dir: str | None = None, force: bool = False, recipe: Recipe | None = None,
                   log=print) -> Testbed:
-    """The testbed in `cache_dir` (default: $GRPO_TESTBED_DIR or ~/.cache/grpo-entropy/<VERSION>), built first if
-    missing or `force` (~2 min on an idle core). Concurrent callers wait on a file lock; a build goes to a temp dir
-    renamed into place with stats.json written last, so a cache dir is either complete or ignored and rebuilt."""
+    """The testbed in `cache_dir` (default: $GRPO_TESTBED_DIR, else the shipped `testbed/`), built first if missing,
+    made by another recipe, or `force` (~10 min on an idle core). Concurrent callers wait on a file lock; a build goes
+    to a temp dir renamed into place with stats.json written last, so a dir is either complete or ignored and rebuilt."""
     r = recipe or Recipe()
     cache_dir = os.path.abspath(os.path.expanduser(cache_dir or default_cache_dir()))
     if not force and (tb := _load(cache_dir, r)) is not None:
@@ -474,6 +521,7 @@ def build_testbed(cache_dir: str | None = None, force: bool = False, recipe: Rec
         if not force and (tb := _load(cache_dir, r)) is not None:
             return tb  # another process built it while we waited
         tmp = tempfile.mkdtemp(prefix=os.path.basename(cache_dir) + ".tmp-", dir=parent)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the testbed is shared data
         old = tmp + ".old"
         try:
             with _quiet_and_isolated(r.num_threads):
@@ -491,17 +539,19 @@ def build_testbed(cache_dir: str | None = None, force: bool = False, recipe: Rec
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help=f"cache dir (default $GRPO_TESTBED_DIR or {default_cache_dir()})")
-    parser.add_argument("--force", action="store_true", help="rebuild even if a complete build exists")
+    parser.add_argument("--out", default=None, help=f"testbed dir (default $GRPO_TESTBED_DIR or {default_cache_dir()})")
+    parser.add_argument("--force", action="store_true", help="rebuild from the recipe even if a complete build exists")
     args = parser.parse_args()
     tb = build_testbed(args.out, force=args.force)
-    s = tb.stats
+    s, n = tb.stats, tb.stats["recipe"]["eval_samples"]
+    changed = [f for f, h in files_sha256(os.path.dirname(tb.model_dir)).items() if s["files_sha256"].get(f) != h]
     print(f"model_dir  {tb.model_dir}\ntrain_file {tb.train_file}\ntest_file  {tb.test_file}")
-    print(f"vocab {s['vocab_size']}, {s['n_params'] / 1e6:.2f}M params, SFT step {s['sft']['chosen_step']}; "
-          f"test: sampled acc {s['sampled_accuracy']:.3f}, greedy acc {s['greedy_accuracy']:.3f}, "
-          f"token entropy {s['entropy']:.3f} nats, response {s['response_len']:.1f} tokens, "
-          f"truncated {s['truncated']:.3f}, all-equal groups of 8 {s['all_equal_groups_of_8']:.2f}; "
-          f"built in {s['build_time_s']:.0f}s")
+    print(f"vocab {s['vocab_size']}, {s['n_params'] / 1e6:.2f}M params, {s['sft']['steps']} SFT steps; test: "
+          f"sampled acc {s['sampled_accuracy']:.3f}, greedy acc {s['greedy_accuracy']:.3f}, "
+          f"pass@{n} {s['pass_at_k'][str(n)]:.3f}, token entropy {s['entropy']:.3f} nats, "
+          f"response {s['response_len']:.1f} tokens, truncated {s['truncated']:.3f}, "
+          f"all-equal groups of 8 {s['all_equal_groups_of_8']:.2f}; built in {s['build_time_s']:.0f}s")
+    print("files match stats.json" if not changed else f"warning: files differ from stats.json: {', '.join(changed)}")
 
 
 if __name__ == "__main__":
