@@ -363,8 +363,8 @@ if __name__ == "__main__":
     finals = {m: {k: [final_values(r, k)[1] for r in rs] for k in keys} for m, rs in groups.items()}
     base_runs = groups.get(args.baseline, [])
     ci_lines = ["| method | seeds | " + " | ".join(keys) + " |", "|" + " --- |" * (len(keys) + 2)]
-    if base_runs:
-        initial = [mean_ci([final_values(r, k)[0] for r in base_runs]) for k in keys]
+    initial = [mean_ci([final_values(r, k)[0] for r in base_runs]) for k in keys]
+    if any(not math.isnan(m) for m, _ in initial):  # the baseline's runs evaluated their step-0 policy
         ci_lines.append(f"| initial policy (step 0) | {len(base_runs)} | " + " | ".join(fmt_ci(*c) for c in initial) + " |")
     for m in methods:
         ci_lines.append(f"| {m} | {len(groups[m])} | " + " | ".join(fmt_ci(*mean_ci(finals[m][k])) for k in keys) + " |")

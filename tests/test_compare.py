@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tyro
 
-from benchmarks.compare import Args, aggregate, fit_law, law_points, moving_average, run_summary
+from benchmarks.compare import Args, aggregate, diff_ci, fit_law, law_points, mean_ci, moving_average, run_summary, t95
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 A, B = 0.6, 1.4  # the law the synthetic runs follow: R = -A exp(H) + B
@@ -55,7 +55,7 @@ def test_compare_writes_plots_and_table(tmp_path):
     for name in ("entropy.png", "reward.png", "eval_acc.png", "law.png", "aent.png", "cov.png"):
         with open(out / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
-    table = (out / "compare.md").read_text()
+    table = (out / "compare.md").read_text().split("| method | seeds | steps |")[1]  # the per-method summary
     rows = [line for line in table.splitlines() if line.startswith("| grpo_")]
     assert [r.split(" | ")[0] for r in rows] == ["| grpo_vanilla", "| grpo_aent", "| grpo_klcov"]  # baseline first
     assert rows[2].endswith("| 0.432 |") and rows[0].endswith("| - |")
@@ -139,3 +139,34 @@ def test_run_summary_keeps_the_initial_evaluation_apart(tmp_path):
     summary = run_summary({"path": str(tmp_path), "rows": rows}, Args())
     assert (summary["initial_eval_acc"], summary["final_eval_acc"], summary["best_eval_acc"]) == (0.5, 0.42, 0.45)
     assert run_summary({"path": str(tmp_path), "rows": rows[1:]}, Args())["initial_eval_acc"] is None  # no step 0
+
+
+def test_intervals_over_seeds():
+    """95% t interval of a mean and Welch's interval of a difference, against values computed by hand (scipy's
+    t.ppf(0.975, df) for the quantiles)."""
+    assert t95(1) == pytest.approx(12.706) and t95(2) == pytest.approx(4.303) and t95(4.7) == pytest.approx(2.776)
+    assert math.isnan(t95(0)) and 1.96 < t95(100) < 2.0
+    mean, half = mean_ci([0.5, 0.6, 0.7])
+    assert mean == pytest.approx(0.6) and half == pytest.approx(4.303 * 0.1 / math.sqrt(3))
+    assert math.isnan(mean_ci([0.5])[1]) and mean_ci([0.5, None])[0] == 0.5
+    # equal variances and sizes: Welch's df is 2 (n - 1) = 4
+    d, half = diff_ci([0.7, 0.8, 0.9], [0.5, 0.6, 0.7])
+    assert d == pytest.approx(0.2) and half == pytest.approx(2.776 * math.sqrt(2 * 0.01 / 3))
+
+
+def test_compare_table_gives_intervals_and_differences(tmp_path):
+    runs = tmp_path / "runs"
+    for seed in (1, 2, 3):
+        write_run(runs, "grpo_vanilla", seed, 0.1 + 0.01 * seed)
+        write_run(runs, "grpo_aent", seed, 0.5 + 0.01 * seed)
+    out = tmp_path / "compare"
+    proc = subprocess.run([sys.executable, "benchmarks/compare.py", "--runs", str(runs / "*"), "--output-dir", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (out / "compare.md").read_text().splitlines()
+    assert lines[0] == "| method | seeds | eval/acc | entropy/full |"
+    assert lines[2].startswith("| grpo_vanilla | 3 | ") and " ± " in lines[2]
+    diff = next(line for line in lines if line.startswith("| grpo_aent - grpo_vanilla |"))
+    assert diff.split(" | ")[-1].rstrip(" |").endswith("*")  # entropy 0.4 higher, seed spread 0.01: significant
+    final = json.loads((out / "compare.json").read_text())["methods"]["grpo_aent"]
+    assert final["minus_baseline"]["entropy/full"][0] == pytest.approx(0.4, abs=0.01)

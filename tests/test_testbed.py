@@ -152,8 +152,9 @@ def test_base_policy_is_in_the_regime_of_real_rl(testbed):
     """Greedy mostly right, a sample at T=1 much less often, 16 samples almost always: pass@1 low, pass@16 high;
     the uncertainty spread over the response and over the three solution paths."""
     s = testbed.stats
-    assert 0.25 <= s["sampled_accuracy"] <= 0.6 and s["greedy_accuracy"] >= s["sampled_accuracy"] + 0.2, s
-    assert s["pass_at_k"]["1"] == pytest.approx(s["sampled_accuracy"]) and s["pass_at_k"]["16"] >= 0.9, s
+    assert 0.2 <= s["sampled_accuracy"] <= 0.4 and s["greedy_accuracy"] >= s["sampled_accuracy"] + 0.25, s
+    assert s["pass_at_k"]["1"] == pytest.approx(s["sampled_accuracy"]), s
+    assert s["pass_at_k"]["16"] >= max(0.8, s["sampled_accuracy"] + 0.4), s
     assert s["entropy"] > 0.08, s  # nats per response token, sampled at T=1
     assert s["truncated"] < 0.01 and 25 <= s["response_len"] <= 36, s
     assert all(share > 0.2 for share in s["path_share"][:3]) and s["path_share"][3] < 0.1, s

@@ -447,7 +447,7 @@ def _build(out_dir: str, r: Recipe, log=print) -> dict:
         "response_len": sampled["response_len"],
         "truncated": sampled["truncated"],
         "path_share": sampled["path_share"],
-        "all_equal_groups_of_8": sampled["all_equal_groups_of_8"],
+        "all_equal_groups_of_8": sampled.get("all_equal_groups_of_8"),  # None below 8 samples
         "weights_sha256": weights_sha256(model),
         "files_sha256": files_sha256(out_dir),
         "sft_time_s": round(sft_time, 1),

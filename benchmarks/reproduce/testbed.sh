@@ -61,7 +61,7 @@ method_flags() {
     # the paper's ratio (2e-4) selects one token (the max(1, .) floor) per mini-batch here: 0.02 selects ~40; lb 0.5
     # (paper: 1) because covariances are smaller on this short-response task; the recipe's PPO clip 1 / 1 is not used
     # (0.2 / 0.2 as the other methods), so that the only difference from vanilla is the dropped gradient
-    grpo_clipcov) echo "--clip-cov-ratio 0.02 --clip-cov-lb 0.5 --clip-cov-ub 5" ;;
+    grpo_clipcov) echo "--clip-cov-ratio 0.02 --clip-cov-lb 0.5 --clip-cov-ub 5 --clip-eps-low 0.2 --clip-eps-high 0.2" ;;
     *) echo "unknown method $1" >&2; exit 1 ;;
   esac
 }
