@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python benchmarks/wandb_report.py` must find benchmarks/metrics.py
     sys.path.insert(0, ROOT)
 
-from benchmarks.metrics import COV, ENTROPY, EVAL, REWARD, THROUGHPUT, TIME, eval_metric, label  # noqa: E402
+from benchmarks.metrics import COV, ENTROPY, EVAL, EVAL_SAMPLED, REWARD, THROUGHPUT, TIME, eval_metric, label  # noqa: E402
 
 
 @dataclass
@@ -42,13 +42,14 @@ class Args:
 
 def sections(eval_datasets=()) -> list:
     """(title, why, metrics) of every report section, in order."""
-    evals = [eval_metric(d) for d in eval_datasets] if eval_datasets else list(EVAL)
+    evals = [eval_metric(d) for d in eval_datasets] if eval_datasets else [*EVAL, *EVAL_SAMPLED]
     return [
         ("Entropy", "Full-vocabulary entropy of the sampling policy; AEnt's clamped entropy and its coefficient.",
          list(ENTROPY)),
         ("Reward and accuracy", "Training reward and accuracy on the rollouts; greedy accuracy on the eval set.",
          [*REWARD, EVAL[0]]),
-        ("Evaluation per dataset", "Greedy accuracy on each evaluation set, every --eval-every steps.", evals),
+        ("Evaluation per dataset", "Greedy accuracy on each evaluation set, every --eval-every steps; with "
+         "--eval-samples 16, the sampled accuracy (mean@16), pass@16 and the entropy of the samples.", evals),
         ("Cov selection", "KL-Cov / Clip-Cov: which tokens the covariance selection picks and what it does to them.",
          list(COV)),
         ("Throughput and phase times", "Tokens per second of wall time and seconds per phase of a step.",

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from benchmarks.compare import aggregate, history_to_rows, law_points, wandb_run_record
-from benchmarks.metrics import COV, ENTROPY, EVAL, REWARD, THROUGHPUT, TIME
+from benchmarks.metrics import COV, ENTROPY, EVAL, EVAL_SAMPLED, REWARD, THROUGHPUT, TIME
 from benchmarks.wandb_report import Args, api_filters, build_report, sections, settings_markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +47,7 @@ def test_report_sections_panels_grouping_and_filters():
     assert kinds == ["MarkdownBlock"] + ["H2", "P", "PanelGrid"] * 5
     assert [b.text for b in report.blocks if type(b).__name__ == "H2"] == SECTIONS
     grids = [b for b in report.blocks if type(b).__name__ == "PanelGrid"]
-    expected = [list(ENTROPY), [*REWARD, "eval/acc"], list(EVAL), list(COV), [*THROUGHPUT, *TIME]]
+    expected = [list(ENTROPY), [*REWARD, "eval/acc"], [*EVAL, *EVAL_SAMPLED], list(COV), [*THROUGHPUT, *TIME]]
     for grid, metrics in zip(grids, expected):
         assert [p.y for p in grid.panels] == [[m] for m in metrics]  # one line plot per metric
         for p in grid.panels:  # seeds aggregated: mean line, min-max band; one spec the server accepts
@@ -125,8 +125,8 @@ def test_dry_run_prints_the_structure_offline():
 def test_report_metrics_are_logged_by_the_scripts():
     source = "".join(open(p).read() for p in glob.glob(os.path.join(ROOT, "grpo_*.py")))
     for _, _, metrics in sections():
-        for m in metrics:
-            assert f'"{m}"' in source, m
+        for m in metrics:  # pass@k is logged for k = 2, 4, 8, ... and --eval-samples
+            assert (f'"{m}"' if not m.startswith("eval/pass@") else 'f"eval/pass@{k}"') in source, m
 
 
 def test_wandb_history_becomes_metrics_jsonl_rows():
