@@ -731,10 +731,11 @@ if __name__ == "__main__":
             dist.all_reduce(calls, op=dist.ReduceOp.MAX)  # ZeRO-3 gathers weights per forward: every rank calls alike
             with torch.no_grad():
                 for s in range(0, int(calls.item()) * mbs, mbs):
-                    idx = slice(s, s + mbs) if s < len(sampled) else slice(0, 1)  # a rank out of prompts repeats one
-                    batch = collate(seq_prompts[idx], sampled[idx], tokenizer.pad_token_id, device)
-                    entropy = logprobs(engine, batch, with_entropy=True)[1]
-                    local["entropy"] += entropy.sum().item() if s < len(sampled) else 0.0
+                    if s < len(sampled):
+                        batch = collate(seq_prompts[s : s + mbs], sampled[s : s + mbs], tokenizer.pad_token_id, device)
+                        local["entropy"] += logprobs(engine, batch, with_entropy=True)[1].sum().item()
+                    else:  # out of samples (or of eval prompts), this rank still calls the model as often as the others
+                        logprobs(engine, collate([eval_data[0][0]], [[tokenizer.eos_token_id]], tokenizer.pad_token_id, device))
         totals = all_reduce_sums(local, device)
         metrics = {"eval/acc": totals["correct"] / len(eval_data), "eval/response_length": totals["length"] / len(eval_data)}
         if n:
