@@ -38,6 +38,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -300,8 +301,6 @@ def sft_batch(seqs, prompt_lens, idx, pad_id):
 
 def first_path(text: str, terms) -> int | None:
     """Which of PATHS a response starts on (its first two numbers, as written, signs ignored), or None."""
-    import re
-
     numbers = sorted(int(x) for x in re.findall(r"\d+", text)[:2])
     for p, (i, j, _) in enumerate(PATHS):
         if numbers == sorted([abs(terms[i]), abs(terms[j])]):
