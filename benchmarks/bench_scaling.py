@@ -8,7 +8,7 @@ and reports the median of each phase from its runs/<run>/metrics.jsonl: time/gen
 time/training, time/weight_push, time/step, with the ratio of the step time to the 1x setting.
 Settings: the base (--num-prompts prompts x --group-size G x --max-response-length L), then G x2, x4 (L fixed) and
 L x2, x4 (G fixed); --micro-batch-size stays fixed, so more sequences mean more micro-batches.
-Model: the testbed policy ends its answers after ~6 tokens, so its response length cannot be scaled. Instead this
+Model: the testbed policy ends its answers after ~32 tokens, so its response length cannot be scaled. Instead this
 uses a random-weights Qwen2 on the testbed tokenizer whose head never favours eos (perf_common.random_qwen2: 3.36M
 parameters, eos probability ~1e-5 per token): every response runs to the cap, so L is exactly the response length
 (the table shows the measured mean, rollout/response_length). Rewards are all 0 with it (nothing to learn), which
