@@ -63,7 +63,7 @@ def test_data_is_correct_and_train_test_disjoint(testbed):
         assert all(10 <= int(x) <= 99 for x in (a, b, c)) and {op1, op2} <= {"+", "-"} and (op1, op2) != ("-", "-")
         assert p["answer"] == str(int(a) + (1 if op1 == "+" else -1) * int(b) + (1 if op2 == "+" else -1) * int(c))
     # SFT problems (not written out) are disjoint from both, so base accuracy is the same on train and test
-    splits = tb_mod.split_problems(tb_mod.make_problems(r.seed, r.n_test + r.n_train + r.n_dev + r.n_sft, r.minus_share), r)
+    splits = tb_mod.split_problems(r)
     assert [p["problem"] for p in splits["train"]] == [p["problem"] for p in train]
     sft = {p["problem"] for p in splits["sft"] + splits["dev"]}
     assert not sft & {p["problem"] for p in train + test}
@@ -102,7 +102,7 @@ def test_tokenizer_loads_with_the_trained_ids(testbed, tok):
     assert tok.convert_tokens_to_ids(tb_mod.SPECIAL_TOKENS) == [0, 1, 2]
     # retraining (deterministic) and the raw tokenizers file give the same ids as AutoTokenizer
     r = tb_mod.Recipe()
-    splits = tb_mod.split_problems(tb_mod.make_problems(r.seed, r.n_test + r.n_train + r.n_dev + r.n_sft, r.minus_share), r)
+    splits = tb_mod.split_problems(r)
     targets = tb_mod.sft_targets(splits["sft"], r)
     corpus = [tb_mod.chatml(f"{p['problem']}\n{INSTRUCTION}", t) for p, t in zip(splits["sft"], targets)]
     trained = tb_mod.train_tokenizer(corpus, r.vocab_size)

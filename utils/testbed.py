@@ -139,7 +139,9 @@ def make_problems(seed: int, n: int, minus_share: float = 0.25) -> list[dict]:
     return rows
 
 
-def split_problems(rows: list[dict], r: Recipe) -> dict[str, list[dict]]:
+def split_problems(r: Recipe) -> dict[str, list[dict]]:
+    """The recipe's problems in their disjoint splits: test, train, dev, then the rest for SFT."""
+    rows = make_problems(r.seed, r.n_test + r.n_train + r.n_dev + r.n_sft, r.minus_share)
     test, train = rows[: r.n_test], rows[r.n_test : r.n_test + r.n_train]
     dev, sft = rows[r.n_test + r.n_train : r.n_test + r.n_train + r.n_dev], rows[r.n_test + r.n_train + r.n_dev :]
     return {"test": test, "train": train, "dev": dev, "sft": sft}
@@ -362,7 +364,7 @@ def measure(model, tok, rows: list[dict], n_samples: int, seed: int = 0, max_new
     return stats
 
 
-def sft(model, tok, sft_rows, dev_rows, r: Recipe, log=print, max_steps: int | None = None) -> dict:
+def sft(model, tok, sft_rows, dev_rows, r: Recipe, log=print) -> dict:
     """Supervised warm-up on the noisy worked solutions (AdamW, linear warm-up, constant lr, loss on response tokens
     only), a fixed number of steps; logs the loss and the dev greedy accuracy every eval_every steps."""
     import torch
@@ -372,7 +374,7 @@ def sft(model, tok, sft_rows, dev_rows, r: Recipe, log=print, max_steps: int | N
     opt = torch.optim.AdamW(model.parameters(), lr=r.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / r.warmup_steps))
     history, order = [], torch.empty(0, dtype=torch.long)
-    steps = r.sft_steps if max_steps is None else max_steps
+    steps = r.sft_steps
     t0 = time.time()
     for step in range(1, steps + 1):
         if len(order) < r.batch_size:
@@ -413,7 +415,7 @@ def _build(out_dir: str, r: Recipe, log=print) -> dict:
     from utils.data import INSTRUCTION
 
     t0, c0 = time.time(), time.process_time()
-    splits = split_problems(make_problems(r.seed, r.n_test + r.n_train + r.n_dev + r.n_sft, r.minus_share), r)
+    splits = split_problems(r)
     write_jsonl(os.path.join(out_dir, "train.jsonl"), splits["train"])
     write_jsonl(os.path.join(out_dir, "test.jsonl"), splits["test"])
     targets = sft_targets(splits["sft"], r)
