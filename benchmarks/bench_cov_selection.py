@@ -59,7 +59,7 @@ def main():
 
     def train_pass():  # what every mini-batch costs anyway: forward + backward of each micro-batch
         for batch in batches:
-            logp, _ = response_logprobs(model, batch, 1.0, a.chunk_size, False)
+            logp, _, _ = response_logprobs(model, batch, 1.0, a.chunk_size, False)
             (-logp.exp()).sum().backward()
         model.zero_grad(set_to_none=True)
 

@@ -1,5 +1,5 @@
 """GPU throughput of the pieces of a GRPO step at Qwen2.5-1.5B's real dimensions (random weights, built from a config:
-no download), through the scripts' own functions (grpo_vanilla.response_logprobs, ppo_clip_loss, make_vllm_engine,
+no download), through the scripts' own functions (grpo_vanilla.response_logprobs, ppo_clip_loss, make_sampler,
 push_weights). Finishes in under 5 minutes on one H200.
 
     python benchmarks/bench_gpu.py                  # one GPU: single process, DeepSpeed ZeRO-2 bf16 on NCCL
@@ -141,7 +141,7 @@ def main():
     def train_step():
         for s in range(0, a.seqs, a.micro_batch_size):
             batch = gv.collate(prompts[s : s + a.micro_batch_size], responses[s : s + a.micro_batch_size], 0, device)
-            logp, _ = gv.response_logprobs(engine, batch, 1.0, a.chunk_size, False)
+            logp, _, _ = gv.response_logprobs(engine, batch, 1.0, a.chunk_size, False)
             adv = advantages[s : s + a.micro_batch_size].to(device).repeat_interleave(R)
             loss, _ = gv.ppo_clip_loss(logp, logp.detach(), adv, 0.2, 0.2)
             engine.backward(loss.sum() / n_tokens * grad_accum)
@@ -194,7 +194,7 @@ def main():
             torch.cuda.empty_cache()
         args = gv.Args(model_name_or_path=model_dir, max_prompt_length=a.gen_prompt_len,
                        max_response_length=a.gen_tokens, vllm_gpu_memory_utilization=a.vllm_memory, vllm_sleep_level=0)
-        llm = gv.make_vllm_engine(args, 0, on_gpu)
+        llm = gv.make_sampler(args, 0, on_gpu)
         params = SamplingParams(n=1, temperature=1.0, max_tokens=a.gen_tokens, ignore_eos=True, detokenize=False, seed=0)
         requests = [{"prompt_token_ids": row} for row in gen_prompts.tolist()]
         vllm_s = timed(lambda: llm.generate(requests, params, use_tqdm=False), device, a.repeats)

