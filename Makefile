@@ -13,7 +13,7 @@ TESTBED_ARGS := --model-name-or-path testbed/model --dataset testbed/train.jsonl
 	--num-mini-batches 2 --micro-batch-size 32 --learning-rate 2e-4 --warmup-steps 5 --no-gradient-checkpointing \
 	--eval-every 25 --eval-num-prompts 200 --eval-samples 16 --save-every 50
 
-.PHONY: venv testbed test
+.PHONY: venv testbed test lint format
 venv: .venv/.installed
 .venv/.installed: requirements-cpu.txt
 	python3 -m venv .venv
@@ -31,3 +31,12 @@ testbed: venv
 
 test: venv
 	$(CPU_ENV) $(PY) -m pytest -x -q -n 2 --dist loadfile tests
+
+# ruff.toml: line length 120; CI runs `make lint` before the tests
+lint: venv
+	.venv/bin/ruff format --check .
+	.venv/bin/ruff check .
+
+format: venv
+	.venv/bin/ruff format .
+	.venv/bin/ruff check --fix .

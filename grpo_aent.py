@@ -6,7 +6,7 @@ Shen, "On Entropy Control in LLM-RL Algorithms" (arXiv 2509.03493). What changes
 2. After every training step, coef takes a clipped step towards the box [entropy_low, entropy_high] of the clamped
    entropy (next_entropy_coef), the same on every rank; it is the method's state, saved in checkpoints.
 
-    deepspeed --num_gpus 8 grpo_aent.py --model-name-or-path Qwen/Qwen2.5-Math-1.5B --dataset <train file> --clamp-p 0.33
+    deepspeed --num_gpus 8 grpo_aent.py --model-name-or-path Qwen/Qwen2.5-Math-1.5B --dataset <file> --clamp-p 0.33
 """
 
 import math
@@ -14,7 +14,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Optional
+from typing import Literal, NamedTuple
 
 import deepspeed
 import numpy as np
@@ -24,9 +24,9 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
+from utils import run
 from utils.data import load_tokenizer, step_prompt_indices, tokenized_prompts
 from utils.reward import grade
-from utils import run
 
 
 @dataclass
@@ -41,9 +41,9 @@ class Args:
     """if toggled, this experiment will be tracked with Weights and Biases"""
     wandb_project_name: str = "grpo-entropy"
     """the wandb's project name"""
-    wandb_entity: Optional[str] = None
+    wandb_entity: str | None = None
     """the entity (team) of wandb's project"""
-    wandb_group: Optional[str] = None
+    wandb_group: str | None = None
     """the wandb run group (default: exp_name, i.e. the method)"""
     wandb_tags: tuple[str, ...] = ()
     """extra wandb tags, next to the method, the git commit and the comma-separated $WANDB_TAGS"""
@@ -57,13 +57,13 @@ class Args:
     """the policy to train: a hub id or a local HF directory"""
     dataset: str = "benchmarks/data/math500.jsonl"
     """training prompts: a hub id or a local .jsonl/.json/.parquet file"""
-    dataset_split: Optional[str] = None
+    dataset_split: str | None = None
     """split of a hub dataset (default: train)"""
-    question_field: Optional[str] = None
+    question_field: str | None = None
     """column holding the problem (default: auto-detect problem/question)"""
-    answer_field: Optional[str] = None
+    answer_field: str | None = None
     """column holding the reference answer (default: auto-detect answer/final_answer/solution's \\boxed{})"""
-    eval_dataset: Optional[str] = None
+    eval_dataset: str | None = None
     """held-out prompts for periodic greedy evaluation (hub id or local file); off when unset"""
     eval_every: int = 10
     """evaluate every this many steps (and after the last one); 0 disables"""
@@ -109,7 +109,7 @@ class Args:
     max_grad_norm: float = 1.0
     """the maximum norm for gradient clipping"""
     max_bad_steps: int = 3
-    """abort after this many consecutive steps with a non-finite gradient (DeepSpeed skips those updates on every rank)"""
+    """abort after this many consecutive steps with a non-finite gradient (DeepSpeed skips them on every rank)"""
     num_mini_batches: int = 4
     """optimizer updates per rollout batch and epoch (the batch is split into this many mini-batches)"""
     num_epochs: int = 1
@@ -131,11 +131,11 @@ class Args:
 
     # AEnt (defaults: the paper's MATH run, Qwen2.5-Math-1.5B on 4 GPUs, 512 prompts x 16 per step)
     clamp_p: float = 0.33
-    """fraction of the vocabulary (lowest logits) removed before the entropy is taken; 0: full entropy (MATH run: 0.33)"""
+    """fraction of the vocabulary (lowest logits) dropped before the entropy is taken; 0: full entropy (MATH: 0.33)"""
     entropy_coef: float = 0.002
     """coef_0, the entropy-bonus coefficient at the start (MATH run: 0.002)"""
     adaptive_coef: bool = True
-    """step the coefficient after every training step; off: constant coef_0 (with --clamp-p 0: plain entropy regularisation)"""
+    """step the coefficient after every training step; off: constant coef_0 (with --clamp-p 0: plain entropy bonus)"""
     entropy_low: float = 0.15
     """lower end of the target box of the clamped entropy, nats (MATH run: 0.15)"""
     entropy_high: float = 0.24
@@ -164,7 +164,7 @@ class Args:
     """save a resumable checkpoint every this many steps; 0 disables"""
     keep_checkpoints: int = 2
     """keep only the newest this many checkpoints"""
-    resume: Optional[str] = None
+    resume: str | None = None
     """resume from a run directory (its newest complete checkpoint) or a checkpoint directory"""
     resume_allow_changes: bool = False
     """resume even if training settings differ from the checkpoint's (refused by default, naming them)"""
@@ -269,7 +269,7 @@ class _ClampedEntropy(torch.autograd.Function):
         return grad, None, None
 
 
-def clamped_entropy(logits: torch.Tensor, clamp_p: float, block: Optional[int] = None) -> torch.Tensor:
+def clamped_entropy(logits: torch.Tensor, clamp_p: float, block: int | None = None) -> torch.Tensor:
     """AEnt's clamped entropy of each row of logits [N, V]: drop the floor(clamp_p V) lowest logits (at most V - 1),
     renormalise the softmax over the kept set S and return H_S = logsumexp(z_S) - sum_{i in S} softmax(z_S)_i z_i [N].
     Differentiable w.r.t. the kept logits (the selection, a per-row threshold, carries no gradient); clamp_p = 0 is the
@@ -355,7 +355,7 @@ def chunked_logprobs_entropy(
 
 
 def response_logprobs(model, batch, temperature, chunk_size, with_entropy, num_chunks=None, extra=None):
-    """Per-token log-probs, entropies and extra values of the response tokens of a collated batch, flattened in order."""
+    """Per-token log-probs, entropies and extra values of the response tokens of a collated batch, in order."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     # logits_to_keep=1: the head runs chunk by chunk below, not over [batch, time, vocab]
     output = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1, use_cache=False)
@@ -387,8 +387,8 @@ def collate(prompts: list, responses: list, pad_id: int, device, advantages=None
 
 
 def make_sampler(args: Args, rank: int, on_gpu: bool):
-    """This process's part of a vLLM engine in the torch.distributed world (external launcher): the engine of its own
-    with --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks)."""
+    """This process's part of a vLLM engine in the torch.distributed world (external launcher): its own engine with
+    --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks)."""
     LLM = run.import_vllm()
     if not on_gpu:
         run.keep_vllm_cpu_weights()  # so that push_weights can update them
@@ -415,7 +415,7 @@ def push_weights(policy, sampler, zero_stage: int, wake: bool = False) -> None:
         sampler.wake_up(tags=["weights"])
     for name, param in policy.module.named_parameters():
         with deepspeed.zero.GatheredParameters([param], enabled=zero_stage == 3):
-            sampler.apply_model(lambda model: model.load_weights([(name, param.data)]))
+            sampler.apply_model(lambda model: model.load_weights([(name, param.data)]))  # noqa: B023 (called at once)
     sampler.reset_prefix_cache()
     if wake:
         sampler.wake_up(tags=["kv_cache"])
@@ -423,7 +423,7 @@ def push_weights(policy, sampler, zero_stage: int, wake: bool = False) -> None:
 
 class Sample(NamedTuple):
     ids: list  # response token ids
-    sampler_logps: Optional[list]  # the sampler's log-prob of each token (vLLM only)
+    sampler_logps: list | None  # the sampler's log-prob of each token (vLLM only)
     truncated: bool  # stopped at --max-response-length
 
 
@@ -670,7 +670,7 @@ if __name__ == "__main__":
         metrics.update({"entropy/coef": coef, "entropy/coef_rank_spread": coef_range.sum().item()})
         metrics["entropy/bonus"] = g["bonus"] / updates_per_step
         tracker.log(metrics, step + 1)
-        # AEnt: every rank, same inputs: same value, no broadcast; a non-finite entropy (skipped updates) leaves it as is
+        # AEnt: same inputs on every rank, same value, no broadcast; a non-finite entropy (skipped updates) keeps it
         h = metrics["entropy/clamped_train"]
         if args.adaptive_coef and step >= args.entropy_coef_warmup and math.isfinite(h):
             box = dict(low=args.entropy_low, high=args.entropy_high, lr=args.entropy_coef_lr, reg=args.entropy_coef_reg)

@@ -15,7 +15,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Optional
+from typing import Literal, NamedTuple
 
 import deepspeed
 import numpy as np
@@ -25,9 +25,9 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
+from utils import run
 from utils.data import load_tokenizer, step_prompt_indices, tokenized_prompts
 from utils.reward import grade
-from utils import run
 
 
 @dataclass
@@ -42,9 +42,9 @@ class Args:
     """if toggled, this experiment will be tracked with Weights and Biases"""
     wandb_project_name: str = "grpo-entropy"
     """the wandb's project name"""
-    wandb_entity: Optional[str] = None
+    wandb_entity: str | None = None
     """the entity (team) of wandb's project"""
-    wandb_group: Optional[str] = None
+    wandb_group: str | None = None
     """the wandb run group (default: exp_name, i.e. the method)"""
     wandb_tags: tuple[str, ...] = ()
     """extra wandb tags, next to the method, the git commit and the comma-separated $WANDB_TAGS"""
@@ -58,13 +58,13 @@ class Args:
     """the policy to train: a hub id or a local HF directory"""
     dataset: str = "benchmarks/data/math500.jsonl"
     """training prompts: a hub id or a local .jsonl/.json/.parquet file"""
-    dataset_split: Optional[str] = None
+    dataset_split: str | None = None
     """split of a hub dataset (default: train)"""
-    question_field: Optional[str] = None
+    question_field: str | None = None
     """column holding the problem (default: auto-detect problem/question)"""
-    answer_field: Optional[str] = None
+    answer_field: str | None = None
     """column holding the reference answer (default: auto-detect answer/final_answer/solution's \\boxed{})"""
-    eval_dataset: Optional[str] = None
+    eval_dataset: str | None = None
     """held-out prompts for periodic greedy evaluation (hub id or local file); off when unset"""
     eval_every: int = 10
     """evaluate every this many steps (and after the last one); 0 disables"""
@@ -110,7 +110,7 @@ class Args:
     max_grad_norm: float = 1.0
     """the maximum norm for gradient clipping"""
     max_bad_steps: int = 3
-    """abort after this many consecutive steps with a non-finite gradient (DeepSpeed skips those updates on every rank)"""
+    """abort after this many consecutive steps with a non-finite gradient (DeepSpeed skips them on every rank)"""
     num_mini_batches: int = 4
     """optimizer updates per rollout batch and epoch (the batch is split into this many mini-batches)"""
     num_epochs: int = 1
@@ -143,7 +143,7 @@ class Args:
     """save a resumable checkpoint every this many steps; 0 disables"""
     keep_checkpoints: int = 2
     """keep only the newest this many checkpoints"""
-    resume: Optional[str] = None
+    resume: str | None = None
     """resume from a run directory (its newest complete checkpoint) or a checkpoint directory"""
     resume_allow_changes: bool = False
     """resume even if training settings differ from the checkpoint's (refused by default, naming them)"""
@@ -262,7 +262,7 @@ def chunked_logprobs_entropy(
 
 
 def response_logprobs(model, batch, temperature, chunk_size, with_entropy, num_chunks=None, extra=None):
-    """Per-token log-probs, entropies and extra values of the response tokens of a collated batch, flattened in order."""
+    """Per-token log-probs, entropies and extra values of the response tokens of a collated batch, in order."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     # logits_to_keep=1: the head runs chunk by chunk below, not over [batch, time, vocab]
     output = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1, use_cache=False)
@@ -294,8 +294,8 @@ def collate(prompts: list, responses: list, pad_id: int, device, advantages=None
 
 
 def make_sampler(args: Args, rank: int, on_gpu: bool):
-    """This process's part of a vLLM engine in the torch.distributed world (external launcher): the engine of its own
-    with --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks)."""
+    """This process's part of a vLLM engine in the torch.distributed world (external launcher): its own engine with
+    --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks)."""
     LLM = run.import_vllm()
     if not on_gpu:
         run.keep_vllm_cpu_weights()  # so that push_weights can update them
@@ -322,7 +322,7 @@ def push_weights(policy, sampler, zero_stage: int, wake: bool = False) -> None:
         sampler.wake_up(tags=["weights"])
     for name, param in policy.module.named_parameters():
         with deepspeed.zero.GatheredParameters([param], enabled=zero_stage == 3):
-            sampler.apply_model(lambda model: model.load_weights([(name, param.data)]))
+            sampler.apply_model(lambda model: model.load_weights([(name, param.data)]))  # noqa: B023 (called at once)
     sampler.reset_prefix_cache()
     if wake:
         sampler.wake_up(tags=["kv_cache"])
@@ -330,7 +330,7 @@ def push_weights(policy, sampler, zero_stage: int, wake: bool = False) -> None:
 
 class Sample(NamedTuple):
     ids: list  # response token ids
-    sampler_logps: Optional[list]  # the sampler's log-prob of each token (vLLM only)
+    sampler_logps: list | None  # the sampler's log-prob of each token (vLLM only)
     truncated: bool  # stopped at --max-response-length
 
 

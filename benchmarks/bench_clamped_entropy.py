@@ -11,6 +11,7 @@ Peak memory: on CUDA torch.cuda.max_memory_allocated; on CPU each variant runs o
 its peak resident size (Linux /proc/self/clear_refs) just before the call and reads it (VmHWM) after.
 On a CPU the reference's `.cpu()` copy is free (the tensor is already there); on a GPU it moves the logits over PCIe.
 """
+
 import argparse
 import json
 import os
@@ -52,7 +53,7 @@ VARIANTS = {"reference": reference_clamped_entropy, "ours": clamped_entropy}
 def make_inputs(args):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(args.n, args.vocab, generator=gen) * 2.5  # LLM-like spread; a few confident rows below
-    logits[:: 4, :8] += 12.0
+    logits[::4, :8] += 12.0
     upstream = torch.randn(args.n, generator=gen)
     return logits.to(args.device).requires_grad_(), upstream.to(args.device)
 
@@ -80,7 +81,9 @@ def measure_memory(args, name) -> float:
         sync(args.device)
         return torch.cuda.max_memory_allocated() - before
     # CPU: run in a fresh process so that the process-wide peak belongs to this variant alone
-    out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--memory-of", name], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, __file__, *sys.argv[1:], "--memory-of", name], capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])["extra_bytes"]
 
 
@@ -127,30 +130,49 @@ def main():
     value_diff = (values["ours"] - values["reference"]).abs().max().item()
     grad_diff = (grads["ours"] - grads["reference"]).abs().max().item()
     ok = torch.allclose(values["ours"], values["reference"], rtol=1e-4, atol=1e-4) and torch.allclose(
-        grads["ours"], grads["reference"], rtol=1e-4, atol=1e-4)
+        grads["ours"], grads["reference"], rtol=1e-4, atol=1e-4
+    )
     rows = slice(0, min(args.n, 16))  # ground truth: the definition (the reference's steps) in float64
     exact = logits.detach()[rows].double().requires_grad_()
     exact_value = forward_backward("reference", exact, upstream[rows].double(), args.clamp_p)
-    errors = {name: ((values[name][rows] - exact_value).abs().max().item(), (grads[name][rows] - exact.grad).abs().max().item())
-              for name in VARIANTS}
+    errors = {
+        name: (
+            (values[name][rows] - exact_value).abs().max().item(),
+            (grads[name][rows] - exact.grad).abs().max().item(),
+        )
+        for name in VARIANTS
+    }
     del logits, upstream, grads, exact
     memory = {name: measure_memory(args, name) for name in VARIANTS}
     time_s = {name: statistics.median(t) for name, t in times.items()}
 
     speedup, memory_ratio = time_s["reference"] / time_s["ours"], memory["ours"] / memory["reference"]
     input_mb = args.n * args.vocab * 4 / 2**20
-    print(f"clamped entropy, forward + backward: [{args.n}, {args.vocab}] float32 logits ({input_mb:.0f} MB), "
-          f"clamp_p {args.clamp_p}, {args.device}, {args.threads} thread(s), median of {args.repeats}")
+    print(
+        f"clamped entropy, forward + backward: [{args.n}, {args.vocab}] float32 logits ({input_mb:.0f} MB), "
+        f"clamp_p {args.clamp_p}, {args.device}, {args.threads} thread(s), median of {args.repeats}"
+    )
     print("| variant | time (s) | extra peak memory (MB) |")
     print("| --- | --- | --- |")
-    print(f"| reference: CPU copy + CPU top-k + full masks | {time_s['reference']:.3f} | {memory['reference'] / 2**20:.0f} |")
-    print(f"| ours: k-th value threshold, row blocks, recomputed backward | {time_s['ours']:.3f} | {memory['ours'] / 2**20:.0f} |")
+    print(
+        f"| reference: CPU copy + CPU top-k + full masks | {time_s['reference']:.3f} | "
+        f"{memory['reference'] / 2**20:.0f} |"
+    )
+    print(
+        f"| ours: k-th value threshold, row blocks, recomputed backward | {time_s['ours']:.3f} | "
+        f"{memory['ours'] / 2**20:.0f} |"
+    )
     print(f"| ratio (reference / ours; ours / reference) | {speedup:.1f}x faster | {memory_ratio:.2f} of the memory |")
     print(f"ours vs reference: max |value difference| {value_diff:.1e}, max |gradient difference| {grad_diff:.1e}")
     for name, (value_error, grad_error) in errors.items():
-        print(f"{name} vs float64 (first {rows.stop} rows): value error {value_error:.1e}, gradient error {grad_error:.1e}")
-    print(f"values and gradients equal to 1e-4: {'yes' if ok else 'NO'}; speed >= 2x: {'yes' if speedup >= 2 else 'NO'}; "
-          f"memory <= 1/3: {'yes' if memory_ratio <= 1 / 3 else 'NO'}")
+        print(
+            f"{name} vs float64 (first {rows.stop} rows): value error {value_error:.1e}, "
+            f"gradient error {grad_error:.1e}"
+        )
+    print(
+        f"values and gradients equal to 1e-4: {'yes' if ok else 'NO'}; speed >= 2x: {'yes' if speedup >= 2 else 'NO'}; "
+        f"memory <= 1/3: {'yes' if memory_ratio <= 1 / 3 else 'NO'}"
+    )
     sys.exit(0 if ok else 1)
 
 

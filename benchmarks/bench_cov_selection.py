@@ -10,6 +10,7 @@ and reports the all-gather volume for a given world size.
     python benchmarks/bench_cov_selection.py --model Qwen/Qwen2.5-Math-1.5B --seqs 32 --response-len 3072 \
         --micro-batch-size 4 --world-size 8                       # on a GPU
 """
+
 import argparse
 import os
 import statistics
@@ -50,8 +51,10 @@ def main():
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (a.prompt_len,), generator=g).tolist() for _ in range(a.seqs)]
     responses = [torch.randint(3, vocab, (a.response_len,), generator=g).tolist() for _ in range(a.seqs)]
-    batches = [collate(prompts[s : s + a.micro_batch_size], responses[s : s + a.micro_batch_size], 0, device)
-               for s in range(0, a.seqs, a.micro_batch_size)]
+    batches = [
+        collate(prompts[s : s + a.micro_batch_size], responses[s : s + a.micro_batch_size], 0, device)
+        for s in range(0, a.seqs, a.micro_batch_size)
+    ]
 
     def sync():
         if device.type == "cuda":
@@ -85,15 +88,21 @@ def main():
             runs.append(time.perf_counter() - t)
         times[name] = statistics.median(runs)
     tokens = a.seqs * a.response_len
-    print(f"model {a.model} on {device}, {a.seqs} sequences x ({a.prompt_len} + {a.response_len}) tokens per rank, "
-          f"micro-batch {a.micro_batch_size}, gradient checkpointing {a.gradient_checkpointing}")
+    print(
+        f"model {a.model} on {device}, {a.seqs} sequences x ({a.prompt_len} + {a.response_len}) tokens per rank, "
+        f"micro-batch {a.micro_batch_size}, gradient checkpointing {a.gradient_checkpointing}"
+    )
     for name, t in times.items():
         print(f"  {name:18s} {t * 1e3:9.1f} ms")
     ratio = times["extra no-grad fwd"] / times["train fwd+bwd"]
-    print(f"  extra forward / training pass = {ratio:.2f} per later mini-batch; with M mini-batches per rollout batch "
-          f"the training phase grows by (M-1)/M x {ratio:.2f} (M=4: {0.75 * ratio:.2f})")
-    print(f"  all-gather per mini-batch: {tokens} tokens per rank x 2 (KL-Cov) or 3 (Clip-Cov) float32; each rank "
-          f"receives {n_global * 8 / 2**20:.2f} / {n_global * 12 / 2**20:.2f} MiB at world size {a.world_size}")
+    print(
+        f"  extra forward / training pass = {ratio:.2f} per later mini-batch; with M mini-batches per rollout batch "
+        f"the training phase grows by (M-1)/M x {ratio:.2f} (M=4: {0.75 * ratio:.2f})"
+    )
+    print(
+        f"  all-gather per mini-batch: {tokens} tokens per rank x 2 (KL-Cov) or 3 (Clip-Cov) float32; each rank "
+        f"receives {n_global * 8 / 2**20:.2f} / {n_global * 12 / 2**20:.2f} MiB at world size {a.world_size}"
+    )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ Measures, each printed as a row of one markdown table:
 4. vLLM (when installed and not --no-vllm): the same generation through the colocated engine, tokens/s, and the
    weight push (trainer -> engine, grpo_vanilla.push_weights) time.
 """
+
 import argparse
 import importlib
 import os
@@ -33,10 +34,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-            vocab_size=512, max_position_embeddings=1024, rope_theta=1e6)
+QWEN25_15B = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1e6,
+)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    vocab_size=512,
+    max_position_embeddings=1024,
+    rope_theta=1e6,
+)
 
 
 def build_model_dir(dims: dict, path: str, dtype) -> None:
@@ -44,17 +61,23 @@ def build_model_dir(dims: dict, path: str, dtype) -> None:
     from tokenizers import Tokenizer, models
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
-    config = Qwen2Config(**{k: v for k, v in dims.items() if k != "rope_theta"}, tie_word_embeddings=True,
-                         rope_parameters={"rope_type": "default", "rope_theta": dims["rope_theta"]},
-                         eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    config = Qwen2Config(
+        **{k: v for k, v in dims.items() if k != "rope_theta"},
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": dims["rope_theta"]},
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # initialising 1.5B params on a CPU is slow
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(path)
     vocab = {f"t{i}": i for i in range(dims["vocab_size"])}
     vocab.update({"<pad>": 0, "<eos>": 1})
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")),
-                                  pad_token="<pad>", eos_token="<eos>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")), pad_token="<pad>", eos_token="<eos>"
+    )
     tok.save_pretrained(path)
 
 
@@ -93,15 +116,20 @@ def main():
     if a.tiny:
         a.seq_len, a.prompt_len, a.seqs, a.micro_batch_size, a.chunk_size = 64, 16, 4, 2, 32
         a.gen_seqs, a.gen_prompt_len, a.gen_tokens, a.hf_gen_tokens, a.repeats = 4, 8, 8, 8, 1
-    for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                         ("MASTER_PORT", str(29500 + os.getpid() % 1000))):
+    for key, default in (
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
+    ):
         os.environ.setdefault(key, default)
 
     import deepspeed
+    from bench_logprob_memory import measure as logprob_pass
     from deepspeed.accelerator import get_accelerator
 
     import grpo_vanilla as gv
-    from bench_logprob_memory import measure as logprob_pass
 
     on_gpu = get_accelerator().device_name() != "cpu"
     if not on_gpu:
@@ -126,9 +154,15 @@ def main():
 
     # ---- 1. training step: DeepSpeed ZeRO-2, gradient checkpointing, chunked log-prob pass, PPO-clip loss ----
     grad_accum = a.seqs // a.micro_batch_size
-    ds_config = {"train_micro_batch_size_per_gpu": a.micro_batch_size, "gradient_accumulation_steps": grad_accum,
-                 "gradient_clipping": 1.0, "bf16": {"enabled": on_gpu}, "zero_optimization": {"stage": 2},
-                 "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9}
+    ds_config = {
+        "train_micro_batch_size_per_gpu": a.micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": on_gpu},
+        "zero_optimization": {"stage": 2},
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+    }
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     engine = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)[0]
     g = torch.Generator().manual_seed(0)
@@ -152,19 +186,37 @@ def main():
     flops = (6 * n_matmul + 12 * dims["num_hidden_layers"] * dims["hidden_size"] * a.seq_len) * tokens
     mfu = f"MFU {flops / train_s / (a.peak_tflops * 1e12):.1%}" if on_gpu else f"{flops / train_s / 1e9:.1f} GFLOP/s"
     peak_train = f"; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if on_gpu else ""
-    rows.append(("training step (ZeRO-2, grad. checkpointing)", f"{tokens / train_s:,.0f} tokens/s",
-                 f"{train_s:.3f} s for {a.seqs} x {a.seq_len} tokens; {mfu}{peak_train}"))
+    rows.append(
+        (
+            "training step (ZeRO-2, grad. checkpointing)",
+            f"{tokens / train_s:,.0f} tokens/s",
+            f"{train_s:.3f} s for {a.seqs} x {a.seq_len} tokens; {mfu}{peak_train}",
+        )
+    )
 
     # ---- 2. the log-prob + entropy pass alone: chunked vs naive ----
-    pass_args = argparse.Namespace(hidden=dims["hidden_size"], vocab=V, dtype=str(dtype).split(".")[-1],
-                                   device=str(device), chunk_size=a.chunk_size, repeats=a.repeats, check_tokens=-1)
+    pass_args = argparse.Namespace(
+        hidden=dims["hidden_size"],
+        vocab=V,
+        dtype=str(dtype).split(".")[-1],
+        device=str(device),
+        chunk_size=a.chunk_size,
+        repeats=a.repeats,
+        check_tokens=-1,
+    )
     if on_gpu:
         torch.cuda.empty_cache()
     passes = {v: logprob_pass(pass_args, v, a.seq_len) for v in ("ours", "naive")}
     o, n = passes["ours"], passes["naive"]
-    rows.append((f"log-prob + entropy pass, {a.seq_len} tokens, fwd+bwd", f"ours {o['seconds'] * 1e3:.1f} ms, "
-                 f"{o['extra_bytes'] / 2**20:,.0f} MB", f"naive {n['seconds'] * 1e3:.1f} ms, {n['extra_bytes'] / 2**20:,.0f} MB; "
-                 f"time ratio {o['seconds'] / n['seconds']:.2f}, memory ratio {o['extra_bytes'] / max(n['extra_bytes'], 1):.2f}"))
+    rows.append(
+        (
+            f"log-prob + entropy pass, {a.seq_len} tokens, fwd+bwd",
+            f"ours {o['seconds'] * 1e3:.1f} ms, {o['extra_bytes'] / 2**20:,.0f} MB",
+            f"naive {n['seconds'] * 1e3:.1f} ms, {n['extra_bytes'] / 2**20:,.0f} MB; "
+            f"time ratio {o['seconds'] / n['seconds']:.2f}, "
+            f"memory ratio {o['extra_bytes'] / max(n['extra_bytes'], 1):.2f}",
+        )
+    )
 
     # ---- 3. HF generate ----
     gen_prompts = torch.randint(2, V, (a.gen_seqs, a.gen_prompt_len), generator=g).to(device)
@@ -172,14 +224,27 @@ def main():
 
     def hf_generate():
         with torch.no_grad():
-            engine.module.generate(input_ids=gen_prompts, attention_mask=torch.ones_like(gen_prompts), do_sample=True,
-                                   top_k=0, max_new_tokens=a.hf_gen_tokens, min_new_tokens=a.hf_gen_tokens,
-                                   pad_token_id=0, eos_token_id=1, use_cache=True)
+            engine.module.generate(
+                input_ids=gen_prompts,
+                attention_mask=torch.ones_like(gen_prompts),
+                do_sample=True,
+                top_k=0,
+                max_new_tokens=a.hf_gen_tokens,
+                min_new_tokens=a.hf_gen_tokens,
+                pad_token_id=0,
+                eos_token_id=1,
+                use_cache=True,
+            )
 
     hf_s = timed(hf_generate, device, max(1, a.repeats - 2))
     engine.module.train()
-    rows.append(("HF generate", f"{a.gen_seqs * a.hf_gen_tokens / hf_s:,.0f} tokens/s",
-                 f"{a.gen_seqs} x ({a.gen_prompt_len} + {a.hf_gen_tokens}) tokens in {hf_s:.2f} s"))
+    rows.append(
+        (
+            "HF generate",
+            f"{a.gen_seqs * a.hf_gen_tokens / hf_s:,.0f} tokens/s",
+            f"{a.gen_seqs} x ({a.gen_prompt_len} + {a.hf_gen_tokens}) tokens in {hf_s:.2f} s",
+        )
+    )
 
     # ---- 4. vLLM generation and weight push ----
     try:
@@ -192,20 +257,35 @@ def main():
 
         if on_gpu:
             torch.cuda.empty_cache()
-        args = gv.Args(model_name_or_path=model_dir, max_prompt_length=a.gen_prompt_len,
-                       max_response_length=a.gen_tokens, vllm_gpu_memory_utilization=a.vllm_memory, vllm_sleep_level=0)
+        args = gv.Args(
+            model_name_or_path=model_dir,
+            max_prompt_length=a.gen_prompt_len,
+            max_response_length=a.gen_tokens,
+            vllm_gpu_memory_utilization=a.vllm_memory,
+            vllm_sleep_level=0,
+        )
         llm = gv.make_sampler(args, 0, on_gpu)
-        params = SamplingParams(n=1, temperature=1.0, max_tokens=a.gen_tokens, ignore_eos=True, detokenize=False, seed=0)
+        params = SamplingParams(
+            n=1, temperature=1.0, max_tokens=a.gen_tokens, ignore_eos=True, detokenize=False, seed=0
+        )
         requests = [{"prompt_token_ids": row} for row in gen_prompts.tolist()]
         vllm_s = timed(lambda: llm.generate(requests, params, use_tqdm=False), device, a.repeats)
         push_s = timed(lambda: gv.push_weights(engine, llm, 2), device, a.repeats)
-        rows.append(("vLLM generate (colocated)", f"{a.gen_seqs * a.gen_tokens / vllm_s:,.0f} tokens/s",
-                     f"{a.gen_seqs} x ({a.gen_prompt_len} + {a.gen_tokens}) tokens in {vllm_s:.2f} s"))
+        rows.append(
+            (
+                "vLLM generate (colocated)",
+                f"{a.gen_seqs * a.gen_tokens / vllm_s:,.0f} tokens/s",
+                f"{a.gen_seqs} x ({a.gen_prompt_len} + {a.gen_tokens}) tokens in {vllm_s:.2f} s",
+            )
+        )
         rows.append(("weight push (trainer -> vLLM)", f"{push_s:.3f} s", f"{n_total / 1e6:,.1f}M parameters"))
 
     where = torch.cuda.get_device_name(0) if on_gpu else "CPU"
-    print(f"Qwen2 {'tiny' if dims is TINY else 'Qwen2.5-1.5B dims'} ({n_total / 1e6:,.1f}M params, {n_matmul / 1e6:,.1f}M "
-          f"in matmuls), random weights, {str(dtype).split('.')[-1]}, {where}; setup {setup_s:.1f} s")
+    print(
+        f"Qwen2 {'tiny' if dims is TINY else 'Qwen2.5-1.5B dims'} "
+        f"({n_total / 1e6:,.1f}M params, {n_matmul / 1e6:,.1f}M "
+        f"in matmuls), random weights, {str(dtype).split('.')[-1]}, {where}; setup {setup_s:.1f} s"
+    )
     print("| measurement | result | details |")
     print("| --- | --- | --- |")
     for row in rows:

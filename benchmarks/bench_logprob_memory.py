@@ -14,8 +14,10 @@ Memory: on CUDA torch.cuda.max_memory_allocated; on CPU every case runs alone in
 peak resident size (Linux /proc/self/clear_refs) just before the pass and reads VmHWM after it, so every allocation
 torch makes is seen. Time: the same single run (CPU: --threads threads), or the median of --repeats on CUDA.
 A naive case whose estimated peak (linear in tokens from the smallest naive case measured, and at least one float32
-[tokens, vocab] tensor) exceeds --max-gb is skipped and reported as such. Values and gradients of the two are compared at the smallest size.
+[tokens, vocab] tensor) exceeds --max-gb is skipped and reported as such. Values and gradients of the two are
+compared at the smallest size.
 """
+
 import argparse
 import json
 import os
@@ -100,8 +102,11 @@ def measure(a, variant, n) -> dict:
 def run_case(a, variant, n) -> dict:
     if a.device.startswith("cuda") or a.in_process:
         return measure(a, variant, n)
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--case", variant, str(n)],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--case", variant, str(n)],
+        capture_output=True,
+        text=True,
+    )
     if out.returncode != 0:
         raise SystemExit(f"case {variant} {n} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -129,8 +134,12 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per case (CUDA; CPU runs each case once)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--in-process", action="store_true", help="CPU: measure every case in this process (faster start, "
-                   "but memory freed by earlier cases may be reused; for quick checks)")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="CPU: measure every case in this process (faster start, "
+        "but memory freed by earlier cases may be reused; for quick checks)",
+    )
     p.add_argument("--case", nargs=2, help=argparse.SUPPRESS)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -149,10 +158,15 @@ def main():
             per_token = per_token or max(naive["extra_bytes"] / n, a.vocab * 4)  # >= one float32 logits row
         rows.append((n, ours, naive))
 
-    print(f"log-prob + entropy pass, forward + backward: vocabulary {a.vocab}, hidden {a.hidden}, {a.dtype} inputs, "
-          f"float32 logits, chunk {a.chunk_size}, {a.device}" + ("" if a.device.startswith("cuda") else f", {a.threads} thread(s)"))
-    print("| tokens | ours: extra peak (MB) | naive: extra peak (MB) | memory naive / ours | ours: time (s) | "
-          "naive: time (s) | time ours / naive |")
+    print(
+        f"log-prob + entropy pass, forward + backward: vocabulary {a.vocab}, hidden {a.hidden}, {a.dtype} inputs, "
+        f"float32 logits, chunk {a.chunk_size}, {a.device}"
+        + ("" if a.device.startswith("cuda") else f", {a.threads} thread(s)")
+    )
+    print(
+        "| tokens | ours: extra peak (MB) | naive: extra peak (MB) | memory naive / ours | ours: time (s) | "
+        "naive: time (s) | time ours / naive |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for n, ours, naive in rows:
         om = ours["extra_bytes"] / 2**20
@@ -160,10 +174,16 @@ def main():
             print(f"| {n} | {om:.0f} | skipped: {naive['skipped']} | | {ours['seconds']:.2f} | | |")
             continue
         nm = naive["extra_bytes"] / 2**20
-        print(f"| {n} | {om:.0f} | {nm:.0f} | {nm / max(om, 1e-9):.1f}x | {ours['seconds']:.2f} | {naive['seconds']:.2f} | "
-              f"{ours['seconds'] / naive['seconds']:.2f} |")
-    print(f"ours (chunks of {max(1, a.check_tokens // 4)}) vs naive on {a.check_tokens} tokens, max |difference|: log-prob {diffs[0]:.1e}, entropy {diffs[1]:.1e}, "
-          f"hidden grad {diffs[2]:.1e}, head grad {diffs[3]:.1e}")
+        print(
+            f"| {n} | {om:.0f} | {nm:.0f} | {nm / max(om, 1e-9):.1f}x | "
+            f"{ours['seconds']:.2f} | {naive['seconds']:.2f} | "
+            f"{ours['seconds'] / naive['seconds']:.2f} |"
+        )
+    print(
+        f"ours (chunks of {max(1, a.check_tokens // 4)}) vs naive on {a.check_tokens} tokens, max |difference|: "
+        f"log-prob {diffs[0]:.1e}, entropy {diffs[1]:.1e}, "
+        f"hidden grad {diffs[2]:.1e}, head grad {diffs[3]:.1e}"
+    )
     ok = all(d < 1e-3 for d in diffs)
     print(f"values and gradients agree to 1e-3: {'yes' if ok else 'NO'}")
     sys.exit(0 if ok else 1)

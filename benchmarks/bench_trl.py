@@ -1,4 +1,4 @@
-"""Ours (grpo_vanilla.py) against TRL's GRPOTrainer doing the same work on a CPU: seconds per training step and peak RSS.
+"""Ours (grpo_vanilla.py) against TRL's GRPOTrainer doing the same work on a CPU: seconds per training step, peak RSS.
 
     python benchmarks/bench_trl.py                              # 3.36M random Qwen2, 2 prompts x 8 x 32 tokens
     python benchmarks/bench_trl.py --steps 30 --repeats 3 --variants ours-hf trl-hf trl-hf-zero2 ours-vllm trl-vllm
@@ -29,6 +29,7 @@ forward), "hf_generate" the sampling alone (model.generate), comparable to ours'
 On a shared machine other jobs stretch wall times: the table also gives the best run (the lowest per-run median) and
 the 1-minute load average seen at the start of the runs.
 """
+
 import argparse
 import json
 import os
@@ -69,21 +70,64 @@ def trl_child(a):
 
     M = a.num_mini_batches
     config = GRPOConfig(
-        output_dir=a.out + ".trl", use_cpu=True, bf16=False, gradient_checkpointing=False, beta=0.0, report_to="none",
-        max_steps=a.steps * M, per_device_train_batch_size=a.num_prompts * a.group_size // M, num_generations=a.group_size,
-        steps_per_generation=M, num_iterations=1, gradient_accumulation_steps=1, loss_type="dapo",
-        max_completion_length=a.max_response_length, temperature=1.0, top_p=1.0, top_k=0, learning_rate=a.lr,
-        max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0, save_strategy="no", logging_steps=10**6,
-        shuffle_dataset=False, seed=1, dataloader_num_workers=0, disable_tqdm=True,
-        use_vllm=a.vllm, vllm_mode="colocate", vllm_enable_sleep_mode=False,
-        deepspeed=({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                    "gradient_clipping": "auto", "bf16": {"enabled": False}, "zero_force_ds_cpu_optimizer": False}
-                   if a.zero2 else None),
+        output_dir=a.out + ".trl",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        beta=0.0,
+        report_to="none",
+        max_steps=a.steps * M,
+        per_device_train_batch_size=a.num_prompts * a.group_size // M,
+        num_generations=a.group_size,
+        steps_per_generation=M,
+        num_iterations=1,
+        gradient_accumulation_steps=1,
+        loss_type="dapo",
+        max_completion_length=a.max_response_length,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=a.lr,
+        max_grad_norm=1.0,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        save_strategy="no",
+        logging_steps=10**6,
+        shuffle_dataset=False,
+        seed=1,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        use_vllm=a.vllm,
+        vllm_mode="colocate",
+        vllm_enable_sleep_mode=False,
+        deepspeed=(
+            {
+                "zero_optimization": {"stage": 2},
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                "bf16": {"enabled": False},
+                "zero_force_ds_cpu_optimizer": False,
+            }
+            if a.zero2
+            else None
+        ),
     )
     timer = Timer()
-    trainer = GRPOTrainer(model=a.model, reward_funcs=reward, args=config, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[timer])
-    phases = {"generation": [], "hf_generate": [], "forward": [], "backward": []}  # per-call seconds of TRL's own methods
+    trainer = GRPOTrainer(
+        model=a.model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=data,
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
+    phases = {
+        "generation": [],
+        "hf_generate": [],
+        "forward": [],
+        "backward": [],
+    }  # per-call seconds of TRL's own methods
 
     def timed(name, fn):
         def wrapper(*args, **kw):
@@ -91,6 +135,7 @@ def trl_child(a):
             out = fn(*args, **kw)
             phases[name].append(time.perf_counter() - start)
             return out
+
         return wrapper
 
     trainer._generate_and_score_completions = timed("generation", trainer._generate_and_score_completions)
@@ -105,17 +150,48 @@ def trl_child(a):
 def command(a, variant: str, out: str) -> list:
     py = sys.executable
     if variant.startswith("trl"):
-        return [py, os.path.abspath(__file__), "--child", "--vllm" if variant == "trl-vllm" else "--no-vllm",
-                *(["--zero2"] if variant == "trl-hf-zero2" else []),
-                "--model", a.model, "--prompts", a.prompts, "--out", out, "--steps", str(a.steps),
-                "--num-prompts", str(a.num_prompts), "--group-size", str(a.group_size),
-                "--max-response-length", str(a.max_response_length), "--num-mini-batches", str(a.num_mini_batches),
-                "--lr", str(a.lr)]
-    flags = {"model-name-or-path": a.model, "dataset": a.prompts, "output-dir": out, "total-steps": a.steps,
-             "num-prompts-per-step": a.num_prompts, "group-size": a.group_size, "max-prompt-length": 128,
-             "max-response-length": a.max_response_length, "num-mini-batches": a.num_mini_batches, "num-epochs": 1,
-             "micro-batch-size": a.num_prompts * a.group_size // a.num_mini_batches, "learning-rate": a.lr,
-             "save-every": 0, "eval-every": 0, "loss-agg": "token-mean"}
+        return [
+            py,
+            os.path.abspath(__file__),
+            "--child",
+            "--vllm" if variant == "trl-vllm" else "--no-vllm",
+            *(["--zero2"] if variant == "trl-hf-zero2" else []),
+            "--model",
+            a.model,
+            "--prompts",
+            a.prompts,
+            "--out",
+            out,
+            "--steps",
+            str(a.steps),
+            "--num-prompts",
+            str(a.num_prompts),
+            "--group-size",
+            str(a.group_size),
+            "--max-response-length",
+            str(a.max_response_length),
+            "--num-mini-batches",
+            str(a.num_mini_batches),
+            "--lr",
+            str(a.lr),
+        ]
+    flags = {
+        "model-name-or-path": a.model,
+        "dataset": a.prompts,
+        "output-dir": out,
+        "total-steps": a.steps,
+        "num-prompts-per-step": a.num_prompts,
+        "group-size": a.group_size,
+        "max-prompt-length": 128,
+        "max-response-length": a.max_response_length,
+        "num-mini-batches": a.num_mini_batches,
+        "num-epochs": 1,
+        "micro-batch-size": a.num_prompts * a.group_size // a.num_mini_batches,
+        "learning-rate": a.lr,
+        "save-every": 0,
+        "eval-every": 0,
+        "loss-agg": "token-mean",
+    }
     cmd = [py, os.path.join(ROOT, "grpo_vanilla.py"), "--no-gradient-checkpointing"]
     cmd += [] if variant == "ours-vllm" else ["--no-use-vllm"]
     for k, v in flags.items():
@@ -137,16 +213,23 @@ def phase_times(variant: str, out: str, warmup: int) -> dict:
         data = json.load(open(out))
         steps = len(data["step_times"])
         chunks = {k: len(v) // steps for k, v in data["phases"].items()}  # calls per rollout batch
-        return {k: [sum(v[i * chunks[k] : (i + 1) * chunks[k]]) for i in range(steps)][warmup:]
-                for k, v in data["phases"].items() if chunks[k]}
+        return {
+            k: [sum(v[i * chunks[k] : (i + 1) * chunks[k]]) for i in range(steps)][warmup:]
+            for k, v in data["phases"].items()
+            if chunks[k]
+        }
     ms = read_metrics(out)[warmup:]
     return {k[5:]: [m[k] for m in ms] for k in ("time/generation", "time/logprob", "time/training", "time/weight_push")}
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", nargs="+", default=["ours-hf", "trl-hf", "trl-hf-zero2", "ours-vllm", "trl-vllm"],
-                   choices=["ours-hf", "trl-hf", "trl-hf-zero2", "ours-vllm", "trl-vllm"])
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["ours-hf", "trl-hf", "trl-hf-zero2", "ours-vllm", "trl-vllm"],
+        choices=["ours-hf", "trl-hf", "trl-hf-zero2", "ours-vllm", "trl-vllm"],
+    )
     p.add_argument("--model", default=None, help="HF model dir (default: a 3.36M random Qwen2, see perf_common)")
     p.add_argument("--steps", type=int, default=25, help="training steps (rollout batches) per run")
     p.add_argument("--warmup", type=int, default=5, help="first steps of each run not counted")
@@ -177,7 +260,11 @@ def main():
             out = os.path.join(work, f"{v}_{r}" + (".json" if v.startswith("trl") else ""))
             results[v]["load"].append(os.getloadavg()[0])
             env = {"MASTER_PORT": str(29600 + r)}  # DeepSpeed under TRL (accelerate) wants a 1-process distributed env
-            env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"} if v == "trl-hf-zero2" else {})
+            env.update(
+                {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+                if v == "trl-hf-zero2"
+                else {}
+            )
             run = run_measured(command(a, v, out), env, out + ".log", a.timeout)
             if run["rc"] != 0:
                 results[v]["failed"] = f"exit {run['rc']}, log {run['log']}"
@@ -190,30 +277,48 @@ def main():
                 results[v].setdefault("phases", {}).setdefault(k, []).extend(xs)
             results[v]["rss"].append(run["peak_rss"])
             results[v]["wall"].append(run["wall"])
-            print(f"repeat {r} {v}: {median(times[a.warmup:]):.3f} s/step, peak RSS {run['peak_rss'] / 2**20:.0f} MB, "
-                  f"wall {run['wall']:.1f} s", file=sys.stderr)
+            print(
+                f"repeat {r} {v}: {median(times[a.warmup :]):.3f} s/step, peak RSS {run['peak_rss'] / 2**20:.0f} MB, "
+                f"wall {run['wall']:.1f} s",
+                file=sys.stderr,
+            )
 
-    print(f"model {a.model} ({n_params(a.model) / 1e6:.2f}M params), {a.num_prompts} prompts x {a.group_size} completions "
-          f"x {a.max_response_length} tokens, {a.num_mini_batches} optimizer update(s) per step, {a.steps} steps per run "
-          f"(first {a.warmup} not counted), {a.repeats} alternating repeats, 1 process, OMP_NUM_THREADS=1")
+    print(
+        f"model {a.model} ({n_params(a.model) / 1e6:.2f}M params), "
+        f"{a.num_prompts} prompts x {a.group_size} completions "
+        f"x {a.max_response_length} tokens, {a.num_mini_batches} optimizer update(s) per step, {a.steps} steps per run "
+        f"(first {a.warmup} not counted), {a.repeats} alternating repeats, 1 process, OMP_NUM_THREADS=1"
+    )
     print("| variant | s/step (median) | s/step (best run) | peak RSS (MB) | run wall incl. start-up (s) | load avg |")
     print("| --- | --- | --- | --- | --- | --- |")
     for v, res in results.items():
         if res["failed"] and not res["steps"]:
             print(f"| {v} | failed: {res['failed']} | | | | |")
         else:
-            print(f"| {v} | {median(res['steps']):.3f} | {min(res['runs']):.3f} | {max(res['rss']) / 2**20:.0f} | "
-                  f"{median(res['wall']):.1f} | {median(res['load']):.1f} |")
+            print(
+                f"| {v} | {median(res['steps']):.3f} | {min(res['runs']):.3f} | {max(res['rss']) / 2**20:.0f} | "
+                f"{median(res['wall']):.1f} | {median(res['load']):.1f} |"
+            )
     for gen, peer in (("hf", "hf"), ("hf", "hf-zero2"), ("vllm", "vllm")):
         ours, trl = results.get(f"ours-{gen}"), results.get(f"trl-{peer}")
         if ours and trl and ours["steps"] and trl["steps"]:
-            t, best, m = (median(ours["steps"]) / median(trl["steps"]), min(ours["runs"]) / min(trl["runs"]),
-                          max(ours["rss"]) / max(trl["rss"]))
-            print(f"| ratio ours / TRL ({peer}) | {t:.2f} | {best:.2f} | {m:.2f} | "
-                  f"{median(ours['wall']) / median(trl['wall']):.2f} | |")
-    print("phases, median seconds per step:", "; ".join(
-        f"{v}: " + ", ".join(f"{k} {median(xs):.3f}" for k, xs in res.get("phases", {}).items())
-        for v, res in results.items() if res.get("phases")))
+            t, best, m = (
+                median(ours["steps"]) / median(trl["steps"]),
+                min(ours["runs"]) / min(trl["runs"]),
+                max(ours["rss"]) / max(trl["rss"]),
+            )
+            print(
+                f"| ratio ours / TRL ({peer}) | {t:.2f} | {best:.2f} | {m:.2f} | "
+                f"{median(ours['wall']) / median(trl['wall']):.2f} | |"
+            )
+    print(
+        "phases, median seconds per step:",
+        "; ".join(
+            f"{v}: " + ", ".join(f"{k} {median(xs):.3f}" for k, xs in res.get("phases", {}).items())
+            for v, res in results.items()
+            if res.get("phases")
+        ),
+    )
     print(f"runs and logs: {work}")
 
 

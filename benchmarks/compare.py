@@ -1,11 +1,10 @@
-# Compare GRPO runs by method: curves over seeds, the entropy-performance law R = -a exp(H) + b, a table; docs: README.md
+# Compare GRPO runs by method: curves over seeds, the entropy-performance law R = -a exp(H) + b, a table (README.md)
 import glob
 import json
 import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import tyro
@@ -51,7 +50,7 @@ def find_runs(patterns, required: bool = True) -> list:
 
 
 def read_run(path: str) -> dict:
-    """{"path", "method", "seed", "rows"}; the method is args.json's exp_name (else the part of the name before '__')."""
+    """{"path", "method", "seed", "rows"}; the method is args.json's exp_name (else the name's part before '__')."""
     name = os.path.basename(os.path.normpath(path))
     args = {}
     if os.path.isfile(os.path.join(path, "args.json")):
@@ -76,14 +75,20 @@ def history_to_rows(history) -> list:
     for h in history:
         if h.get("_step") is None:
             continue
-        row = {k: v for k, v in h.items() if not k.startswith("_") and isinstance(v, (int, float))
-               and not isinstance(v, bool) and not (isinstance(v, float) and math.isnan(v))}
+        row = {
+            k: v
+            for k, v in h.items()
+            if not k.startswith("_")
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and not (isinstance(v, float) and math.isnan(v))
+        }
         if row:
             rows.append({"step": int(h["_step"]), **row})
     return rows
 
 
-def wandb_run_record(path: str, config: dict, group: Optional[str], name: str, history) -> dict:
+def wandb_run_record(path: str, config: dict, group: str | None, name: str, history) -> dict:
     """read_run()'s record of a wandb run: the method is config's exp_name (else the run group, else the name's part
     before '__'); pure, so testable offline."""
     method = config.get("exp_name") or group or name.split("__")[0]
@@ -119,8 +124,8 @@ def moving_average(values: np.ndarray, window: int) -> np.ndarray:
     return (sums[1:] - sums[np.maximum(np.arange(1, len(values) + 1) - window, 0)]) / counts
 
 
-def aggregate(runs: list, key: str, smooth: int = 1) -> Optional[tuple]:
-    """(steps, mean, min, max) over the runs (seeds) of one method, at every step any of them logged; None if none did."""
+def aggregate(runs: list, key: str, smooth: int = 1) -> tuple | None:
+    """(steps, mean, min, max) over the runs (seeds) of one method, at every step any of them logged; None if none."""
     by_step = {}
     for run in runs:
         steps, values = series(run["rows"], key)
@@ -130,7 +135,12 @@ def aggregate(runs: list, key: str, smooth: int = 1) -> Optional[tuple]:
         return None
     steps = np.array(sorted(by_step))
     stacked = [np.array(by_step[s]) for s in steps]
-    return steps, np.array([v.mean() for v in stacked]), np.array([v.min() for v in stacked]), np.array([v.max() for v in stacked])
+    return (
+        steps,
+        np.array([v.mean() for v in stacked]),
+        np.array([v.min() for v in stacked]),
+        np.array([v.max() for v in stacked]),
+    )
 
 
 def law_points(rows: list, metric: str, entropy_metric: str) -> tuple:
@@ -189,8 +199,38 @@ def fmt(values: list, digits: int = 3) -> str:
 
 
 # two-sided 95% quantiles of Student's t by degrees of freedom (1-30; beyond: 1.96 at infinity, within 0.05)
-T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120,
-       2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+T95 = [
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+]
 
 
 def t95(df: float) -> float:
@@ -239,22 +279,27 @@ def final_values(run: dict, key: str, window: int = 1) -> tuple:
 
 def plot_curves(plt, path: str, groups: dict, colors: dict, panels: list, smooth: int) -> bool:
     """One PNG, one panel per (metric, label): mean over seeds and its min-max band per method. False if no data."""
-    panels = [(k, label) for k, label in panels if any(aggregate(rs, k) is not None for rs in groups.values())]
+    panels = [(k, name) for k, name in panels if any(aggregate(rs, k) is not None for rs in groups.values())]
     if not panels:
         return False
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
-    for ax, (key, label) in zip(axes[0], panels):
+    for ax, (key, name) in zip(axes[0], panels):
         for method, runs in groups.items():
             agg = aggregate(runs, key, 1 if key.startswith("eval/") else smooth)
             if agg is None:
                 continue
             steps, mean, lo, hi = agg
-            ax.plot(steps, mean, color=colors[method], label=f"{method} ({len(runs)} seed{'s' * (len(runs) > 1)})",
-                    marker="." if len(steps) < 30 else None)
+            ax.plot(
+                steps,
+                mean,
+                color=colors[method],
+                label=f"{method} ({len(runs)} seed{'s' * (len(runs) > 1)})",
+                marker="." if len(steps) < 30 else None,
+            )
             if len(runs) > 1:
                 ax.fill_between(steps, lo, hi, color=colors[method], alpha=0.2, linewidth=0)
         ax.set_xlabel("step")
-        ax.set_ylabel(label)
+        ax.set_ylabel(name)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
@@ -315,15 +360,20 @@ if __name__ == "__main__":
         "aent.png": [(k, label(k)) for k in AENT],
         "cov.png": [(k, label(k)) for k in COV],  # panels no run logged are left out
     }
-    written = [name for name, panels in figures.items()
-               if plot_curves(plt, os.path.join(args.output_dir, name), groups, colors, panels, args.smooth)]
+    written = [
+        name
+        for name, panels in figures.items()
+        if plot_curves(plt, os.path.join(args.output_dir, name), groups, colors, panels, args.smooth)
+    ]
 
     # the entropy-performance law, fitted per method over all its seeds' points
     metric = args.law_metric
     if metric == "auto":
         metric = "eval/acc" if all(len(series(r["rows"], "eval/acc")[0]) >= 2 for r in runs) else "rollout/accuracy"
-    points = {m: tuple(np.concatenate(x) for x in zip(*(law_points(r["rows"], metric, E) for r in rs)))
-              for m, rs in groups.items()}
+    points = {
+        m: tuple(np.concatenate(x) for x in zip(*(law_points(r["rows"], metric, E) for r in rs)))
+        for m, rs in groups.items()
+    }
     fits = {m: fit_law(*points[m]) for m in methods}
     plot_law(plt, os.path.join(args.output_dir, "law.png"), groups, colors, points, fits, metric, E)
     written.append("law.png")
@@ -332,54 +382,118 @@ if __name__ == "__main__":
     summaries = {m: [run_summary(r, args) for r in rs] for m, rs in groups.items()}
     base = [s.get("final_entropy") for s in summaries.get(args.baseline, [])]
     base_entropy = np.mean(base) if base and None not in base else None
-    header = ["method", "seeds", "steps", "final reward", "best reward", "step-0 eval acc", "final eval acc",
-              "best eval acc", "final entropy", f"entropy retained vs {args.baseline}", "a", "b", "ceiling -a+b",
-              "benchmarks mean@k"]
+    header = [
+        "method",
+        "seeds",
+        "steps",
+        "final reward",
+        "best reward",
+        "step-0 eval acc",
+        "final eval acc",
+        "best eval acc",
+        "final entropy",
+        f"entropy retained vs {args.baseline}",
+        "a",
+        "b",
+        "ceiling -a+b",
+        "benchmarks mean@k",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     table = {}
     for m in methods:
         s = summaries[m]
-        col = {k: [x.get(k) for x in s] for k in ("steps", "final_reward", "best_reward", "initial_eval_acc",
-                                                   "final_eval_acc", "best_eval_acc", "final_entropy", "benchmark_acc")}
+        col = {
+            k: [x.get(k) for x in s]
+            for k in (
+                "steps",
+                "final_reward",
+                "best_reward",
+                "initial_eval_acc",
+                "final_eval_acc",
+                "best_eval_acc",
+                "final_entropy",
+                "benchmark_acc",
+            )
+        }
         entropies = [e for e in col["final_entropy"] if e is not None]
         retained = np.mean(entropies) / base_entropy if entropies and base_entropy else None
         a, b = fits[m]
-        table[m] = {"runs": [r["path"] for r in groups[m]], "seeds": [r["seed"] for r in groups[m]], **col,
-                    "entropy_retained": retained, "a": a, "b": b, "ceiling": b - a}
-        cells = [m, str(len(s)), fmt(col["steps"], 0), fmt(col["final_reward"]), fmt(col["best_reward"]),
-                 fmt(col["initial_eval_acc"]), fmt(col["final_eval_acc"]), fmt(col["best_eval_acc"]),
-                 fmt(col["final_entropy"]),
-                 "-" if retained is None else f"{retained:.2f}x", fmt([a]), fmt([b]), fmt([b - a]),
-                 fmt(col["benchmark_acc"])]
+        table[m] = {
+            "runs": [r["path"] for r in groups[m]],
+            "seeds": [r["seed"] for r in groups[m]],
+            **col,
+            "entropy_retained": retained,
+            "a": a,
+            "b": b,
+            "ceiling": b - a,
+        }
+        cells = [
+            m,
+            str(len(s)),
+            fmt(col["steps"], 0),
+            fmt(col["final_reward"]),
+            fmt(col["best_reward"]),
+            fmt(col["initial_eval_acc"]),
+            fmt(col["final_eval_acc"]),
+            fmt(col["best_eval_acc"]),
+            fmt(col["final_entropy"]),
+            "-" if retained is None else f"{retained:.2f}x",
+            fmt([a]),
+            fmt([b]),
+            fmt([b - a]),
+            fmt(col["benchmark_acc"]),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
-    notes = (f"\nFinal/best reward and entropy: mean of the last {args.final_window} steps / best {args.final_window}-step "
-             f"moving average; eval acc: at step 0 (the initial policy) / last / best after step 0; ranges are min-max "
-             f"over seeds. Law fitted on ({E}, {metric}) pairs of every step of every seed. Benchmarks: "
-             f"benchmarks/eval.py's mean@k averaged over its sets, from <run>/eval/results.json when present.\n")
+    notes = (
+        f"\nFinal/best reward and entropy: mean of the last {args.final_window} steps / best {args.final_window}-step "
+        f"moving average; eval acc: at step 0 (the initial policy) / last / best after step 0; ranges are min-max "
+        f"over seeds. Law fitted on ({E}, {metric}) pairs of every step of every seed. Benchmarks: "
+        f"benchmarks/eval.py's mean@k averaged over its sets, from <run>/eval/results.json when present.\n"
+    )
     # the held-out metrics with 95% intervals over seeds, and each method minus the baseline
-    pass_keys = sorted({k for r in runs for row in r["rows"] for k in row if k.startswith("eval/pass@")},
-                       key=lambda k: int(k.split("@")[1]))
-    keys = [k for k in ("eval/acc", "eval/mean_acc", *pass_keys[-1:], "eval/entropy", E)
-            if any(len(series(r["rows"], k)[0]) for r in runs)]
+    pass_keys = sorted(
+        {k for r in runs for row in r["rows"] for k in row if k.startswith("eval/pass@")},
+        key=lambda k: int(k.split("@")[1]),
+    )
+    keys = [
+        k
+        for k in ("eval/acc", "eval/mean_acc", *pass_keys[-1:], "eval/entropy", E)
+        if any(len(series(r["rows"], k)[0]) for r in runs)
+    ]
     window = {k: 1 if k.startswith("eval/") else args.final_window for k in keys}
     finals = {m: {k: [final_values(r, k, window[k])[1] for r in rs] for k in keys} for m, rs in groups.items()}
     base_runs = groups.get(args.baseline, [])
     ci_lines = ["| method | seeds | " + " | ".join(keys) + " |", "|" + " --- |" * (len(keys) + 2)]
     initial = [mean_ci([final_values(r, k)[0] for r in base_runs]) for k in keys]
     if any(not math.isnan(m) for m, _ in initial):  # the baseline's runs evaluated their step-0 policy
-        ci_lines.append(f"| initial policy (step 0) | {len(base_runs)} | " + " | ".join(fmt_ci(*c) for c in initial) + " |")
+        ci_lines.append(
+            f"| initial policy (step 0) | {len(base_runs)} | " + " | ".join(fmt_ci(*c) for c in initial) + " |"
+        )
     for m in methods:
-        ci_lines.append(f"| {m} | {len(groups[m])} | " + " | ".join(fmt_ci(*mean_ci(finals[m][k])) for k in keys) + " |")
+        ci_lines.append(
+            f"| {m} | {len(groups[m])} | " + " | ".join(fmt_ci(*mean_ci(finals[m][k])) for k in keys) + " |"
+        )
         table[m]["final"] = {k: mean_ci(finals[m][k]) for k in keys}
     for m in methods:
         if m != args.baseline and base_runs:
             diffs = [diff_ci(finals[m][k], finals[args.baseline][k]) for k in keys]
             ci_lines.append(f"| {m} - {args.baseline} | | " + " | ".join(fmt_ci(*d, signed=True) for d in diffs) + " |")
             table[m]["minus_baseline"] = dict(zip(keys, diffs))
-    ci_notes = (f"\nAt the last evaluation ({E}: mean of the last {args.final_window} steps): mean ± half-width of the "
-                f"95% t interval over seeds; differences: Welch's 95% interval, * where it excludes 0 (significant at "
-                f"the 5% level).\n")
-    markdown = "\n".join(ci_lines) + "\n" + ci_notes + "\n" + "\n".join(lines) + "\n" + notes + "".join(f"\n![{n}]({n})\n" for n in written)
+    ci_notes = (
+        f"\nAt the last evaluation ({E}: mean of the last {args.final_window} steps): mean ± half-width of the "
+        f"95% t interval over seeds; differences: Welch's 95% interval, * where it excludes 0 (significant at "
+        f"the 5% level).\n"
+    )
+    markdown = (
+        "\n".join(ci_lines)
+        + "\n"
+        + ci_notes
+        + "\n"
+        + "\n".join(lines)
+        + "\n"
+        + notes
+        + "".join(f"\n![{n}]({n})\n" for n in written)
+    )
     with open(os.path.join(args.output_dir, "compare.md"), "w") as f:
         f.write(markdown)
     with open(os.path.join(args.output_dir, "compare.json"), "w") as f:

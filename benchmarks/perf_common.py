@@ -1,5 +1,6 @@
 """Small helpers shared by the performance benchmarks (bench_trl.py, bench_scaling.py): a random-weights Qwen2 on the
 testbed's tokenizer, a prompt file, and running a command as a subprocess while measuring its wall time and peak RSS."""
+
 import json
 import os
 import shutil
@@ -11,8 +12,15 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-CPU_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "WANDB_MODE": "offline",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+CPU_ENV = {
+    "DS_ACCELERATOR": "cpu",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "WANDB_MODE": "offline",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 PHASES = ("time/generation", "time/logprob", "time/training", "time/weight_push", "time/step")
 
 
@@ -35,10 +43,19 @@ def random_qwen2(hidden: int = 256, layers: int = 4, heads: int = 4, intermediat
         return out
     testbed = build_testbed(log=lambda *a: None).model_dir
     base = json.load(open(os.path.join(testbed, "config.json")))
-    config = Qwen2Config(vocab_size=base["vocab_size"], hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                         max_position_embeddings=2048, tie_word_embeddings=False, eos_token_id=base["eos_token_id"],
-                         pad_token_id=base["pad_token_id"], bos_token_id=None)
+    config = Qwen2Config(
+        vocab_size=base["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        eos_token_id=base["eos_token_id"],
+        pad_token_id=base["pad_token_id"],
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -76,7 +93,9 @@ def run_measured(cmd: list, env: dict, log_path: str, timeout: int = 900) -> dic
     that one process, which is where the trainer, HF generate and a colocated vLLM engine all run)."""
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **CPU_ENV, **env}, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env={**os.environ, **CPU_ENV, **env}, stdout=log, stderr=subprocess.STDOUT
+        )
         deadline = start + timeout
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -88,7 +107,12 @@ def run_measured(cmd: list, env: dict, log_path: str, timeout: int = 900) -> dic
                 break
             time.sleep(0.05)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return {"rc": proc.returncode, "wall": time.perf_counter() - start, "peak_rss": usage.ru_maxrss * 1024, "log": log_path}
+    return {
+        "rc": proc.returncode,
+        "wall": time.perf_counter() - start,
+        "peak_rss": usage.ru_maxrss * 1024,
+        "log": log_path,
+    }
 
 
 def tail(path: str, n: int = 3000) -> str:

@@ -1,8 +1,9 @@
-"""Plot reward, entropy and held-out accuracy per step of one or more runs: python benchmarks/plot_run.py runs/<run> [...]
+"""Plot reward, entropy and held-out accuracy per step of runs: python benchmarks/plot_run.py runs/<run> [...]
 
 Each curve is smoothed (a centred moving average; `--smooth`, in steps) over its raw points, drawn faint.
 The plot goes to <first run>/plot.png.
 """
+
 import argparse
 import json
 import os
@@ -28,8 +29,10 @@ def read_metrics(run_dir: str) -> list:
 def smooth(values: list, window: int) -> list:
     """Centred moving average over `window` points (fewer at the ends)."""
     half = max(window, 1) // 2
-    return [sum(values[max(0, i - half) : i + half + 1]) / len(values[max(0, i - half) : i + half + 1])
-            for i in range(len(values))]
+    return [
+        sum(values[max(0, i - half) : i + half + 1]) / len(values[max(0, i - half) : i + half + 1])
+        for i in range(len(values))
+    ]
 
 
 def main(run_dirs: list, window: int) -> str:
@@ -47,8 +50,13 @@ def main(run_dirs: list, window: int) -> str:
                 c = next(color)
                 dense = len(points) > 30  # per-step metrics: smooth them; evaluations are few and plotted as they are
                 ax.plot(steps, values, ".", color=c, alpha=0.25 if dense else 0.8, markersize=3 if dense else 5)
-                ax.plot(steps, smooth(list(values), window) if dense else values, "-", color=c,
-                        label=label if len(run_dirs) == 1 else f"{name}: {label}")
+                ax.plot(
+                    steps,
+                    smooth(list(values), window) if dense else values,
+                    "-",
+                    color=c,
+                    label=label if len(run_dirs) == 1 else f"{name}: {label}",
+                )
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("step")
             ax.legend(fontsize=7)

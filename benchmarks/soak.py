@@ -4,7 +4,8 @@ Launches one method script with torch.distributed.run on the CPU testbed (the Ma
 checkpoints every 20 steps keeping 2 and greedy evaluation on 100 prompts every 20 steps) and, about once a second,
 sums over the launcher and every descendant (vLLM engine cores, reward grading subprocesses, compile workers):
 resident memory (VmRSS, and its anonymous part RssAnon: the heap, where a leak shows; PSS is not used because on a
-shared machine it moves when other users' processes map the same libraries), open fds, processes and threads. Samples are mapped
+shared machine it moves when other users' processes map the same libraries), open fds, processes and threads.
+Samples are mapped
 to training steps by counting the lines of the run's metrics.jsonl. This script is a child subreaper, so a descendant
 orphaned mid-run stays counted, and one still alive after the launcher exits is reported as leaked.
 
@@ -14,6 +15,7 @@ orphaned mid-run stays counted, and one still alive after the launcher exits is 
 Prints a markdown table (warm-up end vs end, least-squares slopes after warm-up, PASS/FAIL per criterion) and the
 processes whose RSS grew most; writes every per-process sample to <output>/soak_samples.csv.
 """
+
 import argparse
 import csv
 import ctypes
@@ -27,8 +29,15 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-CPU_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "WANDB_MODE": "offline",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+CPU_ENV = {
+    "DS_ACCELERATOR": "cpu",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "WANDB_MODE": "offline",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 SOAK_FLAGS = {"--save-every": "20", "--keep-checkpoints": "2", "--eval-every": "20", "--eval-num-prompts": "100"}
 FIELDS = ["t", "step", "pid", "ppid", "name", "rss_kb", "anon_kb", "fds", "threads"]
 
@@ -61,9 +70,15 @@ def read_proc(pid: int) -> dict | None:
     """One process's numbers from /proc (None if it exited meanwhile)."""
     try:
         status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status") if ":" in line)
-        return {"pid": pid, "ppid": int(status["PPid"]), "name": status["Name"].strip(),
-                "rss_kb": int(status.get("VmRSS", "0 kB").split()[0]), "anon_kb": int(status.get("RssAnon", "0 kB").split()[0]),
-                "fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": int(status["Threads"])}
+        return {
+            "pid": pid,
+            "ppid": int(status["PPid"]),
+            "name": status["Name"].strip(),
+            "rss_kb": int(status.get("VmRSS", "0 kB").split()[0]),
+            "anon_kb": int(status.get("RssAnon", "0 kB").split()[0]),
+            "fds": len(os.listdir(f"/proc/{pid}/fd")),
+            "threads": int(status["Threads"]),
+        }
     except (FileNotFoundError, ProcessLookupError, PermissionError, KeyError):
         return None
 
@@ -107,8 +122,11 @@ def heap_report(out_dir: str, t_start: float, samples: list, a) -> None:
         if len(rows) < 3:
             print(f"| {rank} | too few probe samples after warm-up ({len(rows)}) |")
             continue
-        cells = [f"{rows[0][k]:.0f} -> {rows[-1][k]:.0f} ({100 * slope([r['step'] for r in rows], [r[k] for r in rows]):+.1f}/100 steps)"
-                 for k in keys]
+        cells = [
+            f"{rows[0][k]:.0f} -> {rows[-1][k]:.0f} "
+            f"({100 * slope([r['step'] for r in rows], [r[k] for r in rows]):+.1f}/100 steps)"
+            for k in keys
+        ]
         print(f"| {rank} | " + " | ".join(cells) + " |")
 
 
@@ -119,28 +137,63 @@ def main():
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=30, help="steps excluded from the slopes")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
-    p.add_argument("--output", default=None, help="directory for the run and soak_samples.csv (default runs/soak_<script>_<time>)")
+    p.add_argument(
+        "--output", default=None, help="directory for the run and soak_samples.csv (default runs/soak_<script>_<time>)"
+    )
     p.add_argument("--extra", default="", help="more flags for the script, e.g. '--no-use-vllm'")
-    p.add_argument("--heap-probe", type=float, default=0, metavar="SECONDS",
-                   help="run the script under heap_probe.py, sampling every this many seconds (and trimming malloc)")
+    p.add_argument(
+        "--heap-probe",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="run the script under heap_probe.py, sampling every this many seconds (and trimming malloc)",
+    )
     a = p.parse_args()
     from utils.testbed import build_testbed
 
     tb = build_testbed(log=lambda *x: None)
-    out_dir = os.path.abspath(a.output or os.path.join(ROOT, "runs", f"soak_{a.script.removesuffix('.py')}_{int(time.time())}"))
+    out_dir = os.path.abspath(
+        a.output or os.path.join(ROOT, "runs", f"soak_{a.script.removesuffix('.py')}_{int(time.time())}")
+    )
     os.makedirs(out_dir, exist_ok=True)
-    flags = override(testbed_args(), {**SOAK_FLAGS, "--total-steps": str(a.steps), "--output-dir": out_dir,
-                                      "--model-name-or-path": tb.model_dir, "--dataset": tb.train_file,
-                                      "--eval-dataset": tb.test_file})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc), "--master_port", str(free_port()),
-           *([os.path.join(ROOT, "benchmarks", "heap_probe.py")] if a.heap_probe else []),
-           os.path.join(ROOT, a.script), *flags, *shlex.split(a.extra)]
+    flags = override(
+        testbed_args(),
+        {
+            **SOAK_FLAGS,
+            "--total-steps": str(a.steps),
+            "--output-dir": out_dir,
+            "--model-name-or-path": tb.model_dir,
+            "--dataset": tb.train_file,
+            "--eval-dataset": tb.test_file,
+        },
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(a.nproc),
+        "--master_port",
+        str(free_port()),
+        *([os.path.join(ROOT, "benchmarks", "heap_probe.py")] if a.heap_probe else []),
+        os.path.join(ROOT, a.script),
+        *flags,
+        *shlex.split(a.extra),
+    ]
     print(" ".join(cmd), flush=True)
     ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphaned descendants re-parent to us, stay in the tree
     log = open(os.path.join(out_dir, "soak_launcher.log"), "w")
-    probe_env = {"HEAP_PROBE_OUT": os.path.join(out_dir, "heap_probe_rank{rank}.jsonl"), "HEAP_PROBE_INTERVAL": str(a.heap_probe)}
-    launcher = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **CPU_ENV, **(probe_env if a.heap_probe else {})},
-                                stdout=log, stderr=subprocess.STDOUT)
+    probe_env = {
+        "HEAP_PROBE_OUT": os.path.join(out_dir, "heap_probe_rank{rank}.jsonl"),
+        "HEAP_PROBE_INTERVAL": str(a.heap_probe),
+    }
+    launcher = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, **CPU_ENV, **(probe_env if a.heap_probe else {})},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     samples = open(os.path.join(out_dir, "soak_samples.csv"), "w", newline="")  # written as sampled: survives a kill
     writer = csv.DictWriter(samples, FIELDS)
     writer.writeheader()
@@ -174,12 +227,19 @@ def main():
     # totals per sample, after warm-up (and before the final step's evaluation / save / teardown)
     totals = {}
     for r in rows:
-        s = totals.setdefault(r["t"], {"t": r["t"], "step": r["step"], "rss": 0, "anon": 0, "fds": 0, "procs": 0, "threads": 0})
-        s["rss"] += r["rss_kb"] / 1024; s["anon"] += r["anon_kb"] / 1024; s["fds"] += r["fds"]  # noqa: E702
-        s["procs"] += 1; s["threads"] += r["threads"]  # noqa: E702
+        s = totals.setdefault(
+            r["t"], {"t": r["t"], "step": r["step"], "rss": 0, "anon": 0, "fds": 0, "procs": 0, "threads": 0}
+        )
+        s["rss"] += r["rss_kb"] / 1024
+        s["anon"] += r["anon_kb"] / 1024
+        s["fds"] += r["fds"]  # noqa: E702
+        s["procs"] += 1
+        s["threads"] += r["threads"]  # noqa: E702
     after = [s for s in totals.values() if a.warmup <= s["step"] < a.steps]
-    print(f"\nexit code {launcher.returncode}; {step} steps logged; {len(totals)} samples, {len(after)} after warm-up "
-          f"(step >= {a.warmup}); {time.time() - t_start:.0f} s; run and samples in {out_dir}\n")
+    print(
+        f"\nexit code {launcher.returncode}; {step} steps logged; {len(totals)} samples, {len(after)} after warm-up "
+        f"(step >= {a.warmup}); {time.time() - t_start:.0f} s; run and samples in {out_dir}\n"
+    )
     if len(after) < 10:
         sys.exit("too few samples after warm-up to judge (run more --steps)")
     first = [s for s in after if s["step"] == after[0]["step"]]
@@ -188,8 +248,11 @@ def main():
     early = [s for s in after if s["step"] < a.warmup + q]
     late = [s for s in after if s["step"] >= a.steps - q]
     hours = [s["t"] / 3600 for s in after]
-    print(f"| {a.script}, {a.nproc} process(es) | at warm-up end (step {first[0]['step']}) | at end (step {last[0]['step']}) "
-          f"| min / max after warm-up | slope per 100 steps (2nd half) | slope per hour | criterion | verdict |")
+    print(
+        f"| {a.script}, {a.nproc} process(es) | at warm-up end (step {first[0]['step']}) | "
+        f"at end (step {last[0]['step']}) "
+        f"| min / max after warm-up | slope per 100 steps (2nd half) | slope per hour | criterion | verdict |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     verdicts = []
     for key, unit in (("rss", "MB"), ("anon", "MB"), ("fds", ""), ("procs", ""), ("threads", "")):
@@ -204,25 +267,37 @@ def main():
             ok = abs(per100) < 1 and max(s[key] for s in late) <= max(s[key] for s in early)
             crit = "abs(slope) < 1 / 100 steps and last-quarter max <= first-quarter max"
         verdicts.append(ok)
-        print(f"| {key} {unit} | {base:.0f} | {sum(s[key] for s in last) / len(last):.0f} | {min(ys):.0f} / {max(ys):.0f} "
-              f"| {per100:+.2f} ({per100_half:+.2f}) | {per_hour:+.1f} | {crit} | {'PASS' if ok else 'FAIL'} |")
+        print(
+            f"| {key} {unit} | {base:.0f} | {sum(s[key] for s in last) / len(last):.0f} | "
+            f"{min(ys):.0f} / {max(ys):.0f} "
+            f"| {per100:+.2f} ({per100_half:+.2f}) | {per_hour:+.1f} | {crit} | {'PASS' if ok else 'FAIL'} |"
+        )
     verdicts.append(not leaked)
-    print(f"| processes alive after exit | | {len(leaked)} | | | | 0 | {'PASS' if not leaked else 'FAIL: ' + ', '.join(leaked)} |")
+    print(
+        f"| processes alive after exit | | {len(leaked)} | | | | 0 | "
+        f"{'PASS' if not leaked else 'FAIL: ' + ', '.join(leaked)} |"
+    )
     # where: per-process RSS slope after warm-up (pids alive for most of it)
     per_pid = {}
     for r in rows:
         if a.warmup <= r["step"] < a.steps:
             per_pid.setdefault((r["pid"], r["name"]), []).append((r["step"], r["rss_kb"] / 1024))
-    grow = sorted(((100 * slope(*zip(*v)), k, v[0][1], v[-1][1]) for k, v in per_pid.items() if len(v) > len(after) // 2),
-                  reverse=True)
-    print("\nper process, after warm-up (RSS MB first -> last, slope MB / 100 steps): " + "; ".join(
-        f"{name} [{pid}] {r0:.0f} -> {r1:.0f} ({g:+.2f})" for g, (pid, name), r0, r1 in grow[:5]))
+    grow = sorted(
+        ((100 * slope(*zip(*v)), k, v[0][1], v[-1][1]) for k, v in per_pid.items() if len(v) > len(after) // 2),
+        reverse=True,
+    )
+    print(
+        "\nper process, after warm-up (RSS MB first -> last, slope MB / 100 steps): "
+        + "; ".join(f"{name} [{pid}] {r0:.0f} -> {r1:.0f} ({g:+.2f})" for g, (pid, name), r0, r1 in grow[:5])
+    )
     short_lived = len([k for k, v in per_pid.items() if len(v) <= len(after) // 2])
     print(f"short-lived processes after warm-up (spawned and gone, e.g. grading subprocesses): {short_lived}")
     if a.heap_probe:
         heap_report(out_dir, t_start, sorted(totals.values(), key=lambda s: s["t"]), a)
-    print(f"\n{'PASS' if all(verdicts) and launcher.returncode == 0 else 'FAIL'}: exit {launcher.returncode}, "
-          f"{sum(verdicts)}/{len(verdicts)} criteria")
+    print(
+        f"\n{'PASS' if all(verdicts) and launcher.returncode == 0 else 'FAIL'}: exit {launcher.returncode}, "
+        f"{sum(verdicts)}/{len(verdicts)} criteria"
+    )
     sys.exit(0 if all(verdicts) and launcher.returncode == 0 else 1)
 
 

@@ -3,7 +3,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 import tyro
 
@@ -16,7 +16,7 @@ from benchmarks.metrics import COV, ENTROPY, EVAL, EVAL_SAMPLED, REWARD, THROUGH
 
 @dataclass
 class Args:
-    entity: Optional[str] = None
+    entity: str | None = None
     """the wandb entity (team) of the project; default: your default entity"""
     project: str = "grpo-entropy"
     """the wandb project the runs were tracked in (the scripts' --wandb-project-name)"""
@@ -34,7 +34,7 @@ class Args:
     """eval/<dataset>/acc panels, one per dataset; empty: eval/acc and eval/response_length, what the scripts log"""
     title: str = "GRPO entropy control"
     """the report's title"""
-    runs_json: Optional[str] = None
+    runs_json: str | None = None
     """a JSON list of runs ({id, name, group, tags, config, metrics}) to use instead of asking wandb for them"""
     dry_run: bool = False
     """build the report and print its structure; no network, no API key, nothing saved"""
@@ -44,16 +44,32 @@ def sections(eval_datasets=()) -> list:
     """(title, why, metrics) of every report section, in order."""
     evals = [eval_metric(d) for d in eval_datasets] if eval_datasets else [*EVAL, *EVAL_SAMPLED]
     return [
-        ("Entropy", "Full-vocabulary entropy of the sampling policy; AEnt's clamped entropy and its coefficient.",
-         list(ENTROPY)),
-        ("Reward and accuracy", "Training reward and accuracy on the rollouts; greedy accuracy on the eval set.",
-         [*REWARD, EVAL[0]]),
-        ("Evaluation per dataset", "Greedy accuracy on each evaluation set, every --eval-every steps; with "
-         "--eval-samples 16, the sampled accuracy (mean@16), pass@16 and the entropy of the samples.", evals),
-        ("Cov selection", "KL-Cov / Clip-Cov: which tokens the covariance selection picks and what it does to them.",
-         list(COV)),
-        ("Throughput and phase times", "Tokens per second of wall time and seconds per phase of a step.",
-         [*THROUGHPUT, *TIME]),
+        (
+            "Entropy",
+            "Full-vocabulary entropy of the sampling policy; AEnt's clamped entropy and its coefficient.",
+            list(ENTROPY),
+        ),
+        (
+            "Reward and accuracy",
+            "Training reward and accuracy on the rollouts; greedy accuracy on the eval set.",
+            [*REWARD, EVAL[0]],
+        ),
+        (
+            "Evaluation per dataset",
+            "Greedy accuracy on each evaluation set, every --eval-every steps; with "
+            "--eval-samples 16, the sampled accuracy (mean@16), pass@16 and the entropy of the samples.",
+            evals,
+        ),
+        (
+            "Cov selection",
+            "KL-Cov / Clip-Cov: which tokens the covariance selection picks and what it does to them.",
+            list(COV),
+        ),
+        (
+            "Throughput and phase times",
+            "Tokens per second of wall time and seconds per phase of a step.",
+            [*THROUGHPUT, *TIME],
+        ),
     ]
 
 
@@ -83,7 +99,7 @@ def api_filters(args: Args) -> dict:
     return {"$and": clauses}
 
 
-def settings_markdown(args: Args, runs: Optional[list]) -> str:
+def settings_markdown(args: Args, runs: list | None) -> str:
     """The report's first block: what was selected and how it is drawn, then per method its runs, seeds, git commits,
     world size and versions, the settings (config) shared by all runs and those that differ. runs: dicts with id, name,
     group, tags, config; None when not read (--dry-run without --runs-json)."""
@@ -92,9 +108,13 @@ def settings_markdown(args: Args, runs: Optional[list]) -> str:
     where += [f"run id in {', '.join(f'`{i}`' for i in args.run_ids)}"] if args.run_ids else []
     where += [f"job type `{args.job_type}`"] if args.job_type else []
     key = "config `exp_name` (the method)" if args.group_by == "exp_name" else "wandb run group"
-    lines = ["## Settings", "",
-             f"Runs of `{args.entity or '<default entity>'}/{args.project}` where {' and '.join(where)}. One curve per "
-             f"{key}: the mean over its runs (seeds), the band from their min to their max.", ""]
+    lines = [
+        "## Settings",
+        "",
+        f"Runs of `{args.entity or '<default entity>'}/{args.project}` where {' and '.join(where)}. One curve per "
+        f"{key}: the mean over its runs (seeds), the band from their min to their max.",
+        "",
+    ]
     if runs is None:
         lines.append("(The runs' settings and git commits are read from wandb when the report is saved.)")
         return "\n".join(lines)
@@ -106,14 +126,16 @@ def settings_markdown(args: Args, runs: Optional[list]) -> str:
         return json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else str(v)
 
     def commit(run):  # the config field, else the commit:<hash> tag (runs from before the field existed)
-        tagged = [t[len("commit:"):] for t in run.get("tags", []) if t.startswith("commit:")]
+        tagged = [t[len("commit:") :] for t in run.get("tags", []) if t.startswith("commit:")]
         return str(run["config"].get("git_commit") or (tagged[0] if tagged else "?"))
 
     methods = sorted({method(r) for r in runs}, key=lambda m: (m != "grpo_vanilla", m))  # the baseline first
     by_method = {m: [r for r in runs if method(r) == m] for m in methods}
     commits = sorted({commit(r) for r in runs})
-    lines += [f"{len(runs)} runs, {len(methods)} methods, git commit{'s' * (len(commits) > 1)} "
-              f"{', '.join(f'`{c}`' for c in commits)}."]
+    lines += [
+        f"{len(runs)} runs, {len(methods)} methods, git commit{'s' * (len(commits) > 1)} "
+        f"{', '.join(f'`{c}`' for c in commits)}."
+    ]
     if len(commits) > 1 or any(c.endswith("-dirty") or c == "?" for c in commits):
         lines += ["", "**Not one clean commit** (several, uncommitted changes, or unknown): compare with care."]
     lines += ["", "| method | runs | seeds | git commit | world size | versions | tags |", "|" + " --- |" * 7]
@@ -127,19 +149,35 @@ def settings_markdown(args: Args, runs: Optional[list]) -> str:
     per_run = {"seed", "run_name", "exp_name", "git_commit", "world_size", "versions", "wandb_tags", "wandb_group"}
     keys = sorted({k for r in runs for k in r["config"] if k not in per_run and not k.startswith("_")})
     shared = [k for k in keys if len({value(r["config"].get(k)) for r in runs}) == 1]
-    lines += ["", "Settings shared by all runs:", "", "```",
-              *(f"{k} = {value(runs[0]['config'].get(k))}" for k in shared), "```"]
+    lines += [
+        "",
+        "Settings shared by all runs:",
+        "",
+        "```",
+        *(f"{k} = {value(runs[0]['config'].get(k))}" for k in shared),
+        "```",
+    ]
     differing = [k for k in keys if k not in shared]
     if differing:  # one row per setting, one column per method ('-': the method's runs have no such field)
-        lines += ["", "Settings that differ:", "", "| setting | " + " | ".join(methods) + " |",
-                  "|" + " --- |" * (len(methods) + 1)]
+        lines += [
+            "",
+            "Settings that differ:",
+            "",
+            "| setting | " + " | ".join(methods) + " |",
+            "|" + " --- |" * (len(methods) + 1),
+        ]
         for k in differing:
-            lines.append(f"| {k} | " + " | ".join(", ".join(sorted({value(r["config"].get(k, "-")) for r in rs}))
-                                                 for rs in by_method.values()) + " |")
+            lines.append(
+                f"| {k} | "
+                + " | ".join(
+                    ", ".join(sorted({value(r["config"].get(k, "-")) for r in rs})) for rs in by_method.values()
+                )
+                + " |"
+            )
     return "\n".join(lines)
 
 
-def build_report(args: Args, runs: Optional[list] = None):
+def build_report(args: Args, runs: list | None = None):
     """The wandb_workspaces Report: the settings block, then per section a heading, a line and a panel grid whose run
     set (the filter, grouped by method) feeds one line plot per metric (mean over seeds, min-max band). No network.
     runs: as settings_markdown() takes them; with their "metrics", panels of metrics no run logged are left out."""
@@ -155,14 +193,29 @@ def build_report(args: Args, runs: Optional[list] = None):
         metrics = [m for m in metrics if logged is None or m in logged]  # no empty panels, no empty sections
         if not metrics:
             continue
-        panels = [wr.LinePlot(title=label(m), x="Step", y=[m], groupby_aggfunc="mean",
-                              groupby_rangefunc="minmax", layout=wr.Layout(x=8 * (i % 3), y=6 * (i // 3), w=8, h=6))
-                  for i, m in enumerate(metrics)]
-        runset = wr.Runset(entity=args.entity or "", project=args.project, name="runs", filters=filters, groupby=groupby)
+        panels = [
+            wr.LinePlot(
+                title=label(m),
+                x="Step",
+                y=[m],
+                groupby_aggfunc="mean",
+                groupby_rangefunc="minmax",
+                layout=wr.Layout(x=8 * (i % 3), y=6 * (i // 3), w=8, h=6),
+            )
+            for i, m in enumerate(metrics)
+        ]
+        runset = wr.Runset(
+            entity=args.entity or "", project=args.project, name="runs", filters=filters, groupby=groupby
+        )
         blocks += [wr.H2(text=title), wr.P(text=why), wr.PanelGrid(runsets=[runset], panels=panels)]
-    return wr.Report(entity=args.entity or "", project=args.project, title=args.title, width="fluid", blocks=blocks,
-                     description=f"Runs grouped by {groupby[0]}: mean over seeds, min-max band. "
-                                 "Made by benchmarks/wandb_report.py.")
+    return wr.Report(
+        entity=args.entity or "",
+        project=args.project,
+        title=args.title,
+        width="fluid",
+        blocks=blocks,
+        description=f"Runs grouped by {groupby[0]}: mean over seeds, min-max band. Made by benchmarks/wandb_report.py.",
+    )
 
 
 def describe(report) -> str:
@@ -182,8 +235,10 @@ def describe(report) -> str:
                 out.append(f"  {line}" if line != last_runset else "  runset: the same")
                 last_runset = line
             for p in block.panels:
-                out.append(f"  {type(p).__name__} {', '.join(p.y)} vs {p.x}: {p.groupby_aggfunc} over the group, "
-                           f"band {p.groupby_rangefunc}")
+                out.append(
+                    f"  {type(p).__name__} {', '.join(p.y)} vs {p.x}: {p.groupby_aggfunc} over the group, "
+                    f"band {p.groupby_rangefunc}"
+                )
     return "\n".join(out)
 
 
@@ -193,8 +248,17 @@ def fetch_runs(args: Args) -> list:
     import wandb
 
     runs = wandb.Api().runs(f"{args.entity}/{args.project}", filters=api_filters(args))
-    return [{"id": r.id, "name": r.name, "group": r.group, "tags": list(r.tags), "config": dict(r.config),
-             "metrics": [k for k in r.summary.keys() if not k.startswith("_")]} for r in runs]
+    return [
+        {
+            "id": r.id,
+            "name": r.name,
+            "group": r.group,
+            "tags": list(r.tags),
+            "config": dict(r.config),
+            "metrics": [k for k in r.summary.keys() if not k.startswith("_")],
+        }
+        for r in runs
+    ]
 
 
 if __name__ == "__main__":

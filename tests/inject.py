@@ -8,6 +8,7 @@ Faults, at the n-th call (from 1; "<n>+": that call and every later one) on `ran
     kill-step      SIGKILL in an optimizer step (DeepSpeedEngine.step at a gradient-accumulation boundary)
     kill-save      SIGKILL in a checkpoint write (after the engine state, before the RNG state and the rename)
 """
+
 import os
 import runpy
 import signal
@@ -47,7 +48,15 @@ if __name__ == "__main__":
     if fault == "nan-loss":
         patch(DeepSpeedEngine, "backward", nan_loss, n, rank, every)
     elif fault == "kill-step":
-        patch(DeepSpeedEngine, "step", kill, n, rank, every, when=lambda engine, *a, **k: engine.is_gradient_accumulation_boundary())
+        patch(
+            DeepSpeedEngine,
+            "step",
+            kill,
+            n,
+            rank,
+            every,
+            when=lambda engine, *a, **k: engine.is_gradient_accumulation_boundary(),
+        )
     elif fault == "kill-save":
         import torch
 

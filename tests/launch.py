@@ -1,4 +1,5 @@
 """Launching the method scripts on the CPU testbed from tests: flags, torchrun, run directories, metrics."""
+
 import json
 import os
 import socket
@@ -10,8 +11,15 @@ import pytest
 from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CPU_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "WANDB_MODE": "offline",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+CPU_ENV = {
+    "DS_ACCELERATOR": "cpu",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "WANDB_MODE": "offline",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 def free_port() -> int:
@@ -21,9 +29,21 @@ def free_port() -> int:
 
 
 def script_flags(tb, **overrides) -> list:
-    flags = {"model-name-or-path": tb.model_dir, "dataset": tb.train_file, "total-steps": 2, "num-prompts-per-step": 4,
-             "group-size": 4, "max-prompt-length": 128, "max-response-length": 40, "num-mini-batches": 1,
-             "micro-batch-size": 8, "learning-rate": 5e-4, "save-every": 0, "eval-every": 0, "logprob-chunk-size": 16}
+    flags = {
+        "model-name-or-path": tb.model_dir,
+        "dataset": tb.train_file,
+        "total-steps": 2,
+        "num-prompts-per-step": 4,
+        "group-size": 4,
+        "max-prompt-length": 128,
+        "max-response-length": 40,
+        "num-mini-batches": 1,
+        "micro-batch-size": 8,
+        "learning-rate": 5e-4,
+        "save-every": 0,
+        "eval-every": 0,
+        "logprob-chunk-size": 16,
+    }
     flags.update(overrides)
     out = []
     for key, value in flags.items():
@@ -35,7 +55,9 @@ def launch_command(script, flags, output_dir, nproc=1, fault=None, env=None):
     """(command, environment) that runs `script` on `nproc` CPU processes (0: plain `python script`), optionally
     with a fault injected by tests/inject.py (GRPO_FAULT syntax)."""
     port = free_port()
-    launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port)] if nproc else []
+    launcher = (
+        ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port)] if nproc else []
+    )
     entry = [os.path.join(ROOT, "tests", "inject.py")] if fault else []
     cmd = [sys.executable, *launcher, *entry, os.path.join(ROOT, script), "--output-dir", str(output_dir), *flags]
     env = {**os.environ, **CPU_ENV, "MASTER_PORT": str(port), "WANDB_DIR": str(output_dir), **(env or {})}
@@ -68,7 +90,7 @@ def final_weights(path) -> dict:
 
 
 def wandb_records(path):
-    """The protobuf records of an offline run's .wandb file (a LevelDB-style log: 32 KiB blocks of checksummed chunks)."""
+    """The protobuf records of an offline run's .wandb file (LevelDB-style: 32 KiB blocks of checksummed parts)."""
     from wandb.proto import wandb_internal_pb2
 
     with open(path, "rb") as f:
@@ -93,7 +115,13 @@ def wandb_records(path):
 COMMON = {"total-steps": 4, "num-mini-batches": 2, "micro-batch-size": 4, "save-every": 1, "keep-checkpoints": 2}
 METHOD = {  # each method's state and selections made non-trivial on 4 steps; vLLM where generation is the kill point
     "grpo_vanilla.py": {},
-    "grpo_aent.py": {"no-use-vllm": True, "entropy-coef-warmup": 0, "entropy-low": 0.5, "entropy-high": 0.6, "entropy-coef-lr": 0.01},
+    "grpo_aent.py": {
+        "no-use-vllm": True,
+        "entropy-coef-warmup": 0,
+        "entropy-low": 0.5,
+        "entropy-high": 0.6,
+        "entropy-coef-lr": 0.01,
+    },
     "grpo_klcov.py": {"no-use-vllm": True, "kl-cov-ratio": 0.2},
     "grpo_clipcov.py": {"no-use-vllm": True, "clip-cov-ratio": 0.2, "clip-cov-lb": 0, "clip-cov-ub": 5},
 }

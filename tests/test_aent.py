@@ -7,13 +7,13 @@ engine), and HF generate starts in half the time on a 2-core machine.
 
 import pytest
 import torch
+from launch import read_metrics, run_dir, run_script, script_flags, trainer_state
 
 import grpo_aent as ga
-from launch import read_metrics, run_dir, run_script, script_flags, trainer_state
 
 
 def definition(logits, clamp_p):
-    """The paper's clamped entropy, literally: -inf on the floor(p V) lowest logits (top-k indices), softmax, entropy."""
+    """The paper's clamped entropy, literally: -inf on the floor(p V) lowest logits (top-k indices), softmax, H."""
     z = logits.double()
     k = min(int(clamp_p * z.shape[-1]), z.shape[-1] - 1)
     if k:
@@ -82,7 +82,7 @@ def test_clamp_close_to_one_keeps_at_least_one_token():
 def test_gradcheck_in_float64():
     x = torch.randn(3, 20, dtype=torch.float64, requires_grad=True)
     for p in (0.0, 0.3, 0.9):
-        assert torch.autograd.gradcheck(lambda z: ga.clamped_entropy(z, p, 16), (x,))
+        assert torch.autograd.gradcheck(lambda z, p=p: ga.clamped_entropy(z, p, 16), (x,))
 
 
 @pytest.mark.parametrize("num_chunks", [None, 9])
@@ -136,12 +136,15 @@ def test_next_entropy_coef_is_clipped_at_both_ends():
     assert ga.next_entropy_coef(0.05, 0.20, **BOX) == 9e-3  # a start outside [min, max] is clipped at the first step
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("clamp_p", 1.0, "--clamp-p must be in [0, 1)"),
-    ("entropy_low", 0.5, "--entropy-low must be <= --entropy-high"),
-    ("entropy_coef_min", 0.1, "--entropy-coef-min must be in [0, --entropy-coef-max]"),
-    ("entropy_coef_warmup", -1, "--entropy-coef-warmup must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("clamp_p", 1.0, "--clamp-p must be in [0, 1)"),
+        ("entropy_low", 0.5, "--entropy-low must be <= --entropy-high"),
+        ("entropy_coef_min", 0.1, "--entropy-coef-min must be in [0, --entropy-coef-max]"),
+        ("entropy_coef_warmup", -1, "--entropy-coef-warmup must be >= 0"),
+    ],
+)
 def test_validate_args_rejects_bad_aent_flags(flag, value, message):
     args = ga.Args(num_prompts_per_step=8, num_mini_batches=2, group_size=4, micro_batch_size=4)
     ga.validate_args(args, 2)
@@ -151,12 +154,22 @@ def test_validate_args_rejects_bad_aent_flags(flag, value, message):
 
 
 # ---- end to end: 2 ranks, 2 optimizer updates per step, 2 micro-batches per update on each rank ----
-ADAPTIVE = {"no-use-vllm": True, "num-mini-batches": 2, "micro-batch-size": 2, "entropy-coef": 0.002,
-            "entropy-low": 0.3, "entropy-high": 0.3, "entropy-coef-lr": 0.02, "entropy-coef-warmup": 1}
+ADAPTIVE = {
+    "no-use-vllm": True,
+    "num-mini-batches": 2,
+    "micro-batch-size": 2,
+    "entropy-coef": 0.002,
+    "entropy-low": 0.3,
+    "entropy-high": 0.3,
+    "entropy-coef-lr": 0.02,
+    "entropy-coef-warmup": 1,
+}
 
 
 def coef_step(coef, entropy):
-    return ga.next_entropy_coef(coef, entropy, low=0.3, high=0.3, lr=0.02, reg=0.0, init_coef=0.002, coef_min=6e-4, coef_max=9e-3)
+    return ga.next_entropy_coef(
+        coef, entropy, low=0.3, high=0.3, lr=0.02, reg=0.0, init_coef=0.002, coef_min=6e-4, coef_max=9e-3
+    )
 
 
 @pytest.fixture(scope="module")
@@ -175,21 +188,32 @@ def test_one_coefficient_on_every_rank_stepped_from_the_world_mean(testbed, stra
         n_prompts = sum(1 for _ in f)
     for step in range(4):
         assert {i for _, i in ga.step_prompt_indices(step, args, n_prompts, 0, 2)}.isdisjoint(
-            i for _, i in ga.step_prompt_indices(step, args, n_prompts, 1, 2))
+            i for _, i in ga.step_prompt_indices(step, args, n_prompts, 1, 2)
+        )
     # ...and hold the same coefficient at every step
     assert all(r["entropy/coef_rank_spread"] == 0.0 for r in rows)
     coefs = [r["entropy/coef"] for r in rows]
     assert coefs[0] == coefs[1] == 0.002  # warm-up: the first update uses step 2's entropy
     for before, after in zip(rows[1:], rows[2:]):  # driven by the token mean over both ranks and all updates
-        assert after["entropy/coef"] == pytest.approx(coef_step(before["entropy/coef"], before["entropy/clamped_train"]), rel=1e-12)
+        assert after["entropy/coef"] == pytest.approx(
+            coef_step(before["entropy/coef"], before["entropy/clamped_train"]), rel=1e-12
+        )
     assert coefs[2] != coefs[1]
-    assert trainer_state(straight_run)["method_state"]["entropy_coef"] == pytest.approx(coef_step(coefs[3], rows[3]["entropy/clamped_train"]), rel=1e-12)
+    assert trainer_state(straight_run)["method_state"]["entropy_coef"] == pytest.approx(
+        coef_step(coefs[3], rows[3]["entropy/clamped_train"]), rel=1e-12
+    )
     for r in rows:
         assert 0 < r["entropy/clamped"] <= r["entropy/full"] + 1e-6 and r["entropy/bonus"] > 0
 
 
 def test_clamp_zero_and_constant_coefficient_is_plain_entropy_regularisation(testbed, tmp_path):
-    flags = {"no-use-vllm": True, "clamp-p": 0.0, "no-adaptive-coef": True, "entropy-coef": 0.05, "entropy-coef-warmup": 0}
+    flags = {
+        "no-use-vllm": True,
+        "clamp-p": 0.0,
+        "no-adaptive-coef": True,
+        "entropy-coef": 0.05,
+        "entropy-coef-warmup": 0,
+    }
     run_script("grpo_aent.py", script_flags(testbed, **flags), tmp_path)
     rows = read_metrics(run_dir(tmp_path))
     assert [r["step"] for r in rows] == [1, 2]

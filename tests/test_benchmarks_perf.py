@@ -1,4 +1,5 @@
 """The performance benchmarks run and print well-formed tables (correctness only: timings are not checked)."""
+
 import json
 import os
 import re
@@ -16,8 +17,11 @@ def run_benchmark(args, timeout=120):
 
 
 def table_rows(out: str) -> list:
-    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines()
-            if line.startswith("|") and "---" not in line]
+    return [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in out.splitlines()
+        if line.startswith("|") and "---" not in line
+    ]
 
 
 def test_bench_gpu_tiny_runs_on_cpu():
@@ -30,8 +34,23 @@ def test_bench_gpu_tiny_runs_on_cpu():
 
 
 def test_bench_logprob_memory_agrees_with_naive():
-    out = run_benchmark(["benchmarks/bench_logprob_memory.py", "--tokens", "64", "256", "--hidden", "32", "--vocab",
-                         "1024", "--chunk-size", "32", "--check-tokens", "96", "--in-process"])
+    out = run_benchmark(
+        [
+            "benchmarks/bench_logprob_memory.py",
+            "--tokens",
+            "64",
+            "256",
+            "--hidden",
+            "32",
+            "--vocab",
+            "1024",
+            "--chunk-size",
+            "32",
+            "--check-tokens",
+            "96",
+            "--in-process",
+        ]
+    )
     rows = table_rows(out)
     assert rows[0][0] == "tokens" and [r[0] for r in rows[1:]] == ["64", "256"]
     for row in rows[1:]:
@@ -42,8 +61,25 @@ def test_bench_logprob_memory_agrees_with_naive():
 
 
 def test_bench_logprob_memory_skips_over_budget():
-    out = run_benchmark(["benchmarks/bench_logprob_memory.py", "--tokens", "64", "4096", "--hidden", "32", "--vocab",
-                         "1024", "--chunk-size", "32", "--check-tokens", "64", "--in-process", "--max-gb", "0.001"])
+    out = run_benchmark(
+        [
+            "benchmarks/bench_logprob_memory.py",
+            "--tokens",
+            "64",
+            "4096",
+            "--hidden",
+            "32",
+            "--vocab",
+            "1024",
+            "--chunk-size",
+            "32",
+            "--check-tokens",
+            "64",
+            "--in-process",
+            "--max-gb",
+            "0.001",
+        ]
+    )
     (row,) = [r for r in table_rows(out) if r[0] == "4096"]
     assert row[2].startswith("skipped: estimated")
 
@@ -62,8 +98,14 @@ def test_heap_probe_sees_live_tensors_and_growing_types(tmp_path):
     )
     out = tmp_path / "probe.jsonl"
     env = {**os.environ, **CPU_ENV, "HEAP_PROBE_OUT": str(out), "HEAP_PROBE_INTERVAL": "0.5"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "heap_probe.py"), str(script)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "heap_probe.py"), str(script)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) >= 3

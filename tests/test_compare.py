@@ -1,4 +1,5 @@
 """benchmarks/compare.py on synthetic run directories: plots, table, seed aggregation and the law fit."""
+
 import glob
 import importlib
 import json
@@ -49,8 +50,13 @@ def test_compare_writes_plots_and_table(tmp_path):
     with open(os.path.join(klcov, "eval", "results.json"), "w") as f:
         json.dump({"average": {"mean@4": 0.4321, "pass@4": 0.6}}, f)
     out = tmp_path / "compare"
-    proc = subprocess.run([sys.executable, "benchmarks/compare.py", "--runs", str(runs / "*"), "--output-dir", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/compare.py", "--runs", str(runs / "*"), "--output-dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("entropy.png", "reward.png", "eval_acc.png", "law.png", "aent.png", "cov.png"):
         with open(out / name, "rb") as f:
@@ -62,12 +68,16 @@ def test_compare_writes_plots_and_table(tmp_path):
     summary = json.loads((out / "compare.json").read_text())
     assert summary["law_metric"] == "eval/acc"
     methods = summary["methods"]
-    assert methods["grpo_vanilla"]["seeds"] == [1, 2] and methods["grpo_vanilla"]["entropy_retained"] == pytest.approx(1.0)
+    assert methods["grpo_vanilla"]["seeds"] == [1, 2] and methods["grpo_vanilla"]["entropy_retained"] == pytest.approx(
+        1.0
+    )
     assert methods["grpo_aent"]["entropy_retained"] > 2  # final entropy ~0.5 against vanilla's ~0.15
     for m in methods.values():  # the evaluations follow the law exactly and are paired with the right entropy
         assert m["a"] == pytest.approx(A, rel=1e-6) and m["b"] == pytest.approx(B, rel=1e-6)
         assert m["ceiling"] == pytest.approx(B - A, rel=1e-6)
-    assert methods["grpo_vanilla"]["final_eval_acc"][0] == pytest.approx(-A * math.exp(0.1 + 0.9 * math.exp(-40 / 8)) + B)
+    assert methods["grpo_vanilla"]["final_eval_acc"][0] == pytest.approx(
+        -A * math.exp(0.1 + 0.9 * math.exp(-40 / 8)) + B
+    )
 
 
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "reproduce", "*.sh")))
@@ -79,15 +89,26 @@ def test_reproduction_scripts_pass_valid_flags(script):
     import benchmarks.compare
     import benchmarks.eval
 
-    proc = subprocess.run(["bash", script], env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", script], env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     commands = [shlex.split(line) for line in proc.stdout.splitlines()]
-    methods = [next((i for i, t in enumerate(c) if t.startswith("grpo_") and t.endswith(".py")), None) for c in commands]
-    assert {c[i] for c, i in zip(commands, methods) if i} == {"grpo_vanilla.py", "grpo_aent.py", "grpo_klcov.py", "grpo_clipcov.py"}
+    methods = [
+        next((i for i, t in enumerate(c) if t.startswith("grpo_") and t.endswith(".py")), None) for c in commands
+    ]
+    assert {c[i] for c, i in zip(commands, methods) if i} == {
+        "grpo_vanilla.py",
+        "grpo_aent.py",
+        "grpo_klcov.py",
+        "grpo_clipcov.py",
+    }
     for c, i in zip(commands, methods):
         if i is not None:
             if c[0] == "deepspeed":
-                world_size = int(c[c.index("--num_gpus") + 1]) * (int(c[c.index("--num_nodes") + 1]) if "--num_nodes" in c else 1)
+                world_size = int(c[c.index("--num_gpus") + 1]) * (
+                    int(c[c.index("--num_nodes") + 1]) if "--num_nodes" in c else 1
+                )
             else:
                 world_size = int(c[c.index("--nproc_per_node") + 1])
             if not os.path.exists(os.path.join(ROOT, c[i])):
@@ -102,8 +123,13 @@ def test_reproduction_scripts_pass_valid_flags(script):
 
 
 def test_compare_without_runs_is_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmarks/compare.py", "--runs", str(tmp_path / "*")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/compare.py", "--runs", str(tmp_path / "*")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
@@ -117,8 +143,14 @@ def test_law_fit_recovers_a_and_b():
 
 
 def test_law_points_pair_an_evaluation_with_the_next_steps_entropy():
-    rows = [{"step": 0, "eval/acc": 0.1}, {"step": 1, "entropy/full": 1.0}, {"step": 2, "entropy/full": 0.8},
-            {"step": 2, "eval/acc": 0.3}, {"step": 3, "entropy/full": 0.6}, {"step": 3, "eval/acc": 0.4}]
+    rows = [
+        {"step": 0, "eval/acc": 0.1},
+        {"step": 1, "entropy/full": 1.0},
+        {"step": 2, "entropy/full": 0.8},
+        {"step": 2, "eval/acc": 0.3},
+        {"step": 3, "entropy/full": 0.6},
+        {"step": 3, "eval/acc": 0.4},
+    ]
     H, R = law_points(rows, "eval/acc", "entropy/full")
     assert H.tolist() == [1.0, 0.6, 0.6] and R.tolist() == [0.1, 0.3, 0.4]  # the last one has no next step
     H, R = law_points(rows, "entropy/full", "entropy/full")
@@ -128,14 +160,24 @@ def test_law_points_pair_an_evaluation_with_the_next_steps_entropy():
 def test_aggregate_over_seeds_with_different_steps():
     runs = [{"rows": [{"step": 1, "x": 1.0}, {"step": 2, "x": 3.0}]}, {"rows": [{"step": 1, "x": 2.0}]}]
     steps, mean, lo, hi = aggregate(runs, "x")
-    assert steps.tolist() == [1, 2] and mean.tolist() == [1.5, 3.0] and lo.tolist() == [1.0, 3.0] and hi.tolist() == [2.0, 3.0]
+    assert (
+        steps.tolist() == [1, 2]
+        and mean.tolist() == [1.5, 3.0]
+        and lo.tolist() == [1.0, 3.0]
+        and hi.tolist() == [2.0, 3.0]
+    )
     assert aggregate(runs, "missing") is None
     assert moving_average(np.array([1.0, 3.0, 5.0, 7.0]), 2).tolist() == [1.0, 2.0, 4.0, 6.0]
 
 
 def test_run_summary_keeps_the_initial_evaluation_apart(tmp_path):
-    rows = [{"step": 0, "eval/acc": 0.5}, {"step": 1, "entropy/full": 0.3}, {"step": 10, "eval/acc": 0.4},
-            {"step": 20, "eval/acc": 0.45}, {"step": 30, "eval/acc": 0.42}]
+    rows = [
+        {"step": 0, "eval/acc": 0.5},
+        {"step": 1, "entropy/full": 0.3},
+        {"step": 10, "eval/acc": 0.4},
+        {"step": 20, "eval/acc": 0.45},
+        {"step": 30, "eval/acc": 0.42},
+    ]
     summary = run_summary({"path": str(tmp_path), "rows": rows}, Args())
     assert (summary["initial_eval_acc"], summary["final_eval_acc"], summary["best_eval_acc"]) == (0.5, 0.42, 0.45)
     assert run_summary({"path": str(tmp_path), "rows": rows[1:]}, Args())["initial_eval_acc"] is None  # no step 0
@@ -160,8 +202,13 @@ def test_compare_table_gives_intervals_and_differences(tmp_path):
         write_run(runs, "grpo_vanilla", seed, 0.1 + 0.01 * seed)
         write_run(runs, "grpo_aent", seed, 0.5 + 0.01 * seed)
     out = tmp_path / "compare"
-    proc = subprocess.run([sys.executable, "benchmarks/compare.py", "--runs", str(runs / "*"), "--output-dir", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/compare.py", "--runs", str(runs / "*"), "--output-dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = (out / "compare.md").read_text().splitlines()
     assert lines[0] == "| method | seeds | eval/acc | entropy/full |"

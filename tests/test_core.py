@@ -1,4 +1,5 @@
 """Unit tests of the math every script shares: advantages, loss aggregation, chunked log-probs/entropy."""
+
 import pytest
 import torch
 
@@ -35,8 +36,10 @@ def test_token_weights_split_over_ranks_sum_to_global_mean():
     lengths = torch.tensor([4, 1, 3, 6])
     loss = torch.randn(14)
     half = int(lengths[:2].sum())
-    total = sum((gv.token_weights(ls, "token-mean", 14, 4, 8) * lo).sum()
-                for ls, lo in ((lengths[:2], loss[:half]), (lengths[2:], loss[half:])))
+    total = sum(
+        (gv.token_weights(ls, "token-mean", 14, 4, 8) * lo).sum()
+        for ls, lo in ((lengths[:2], loss[:half]), (lengths[2:], loss[half:]))
+    )
     assert torch.isclose(total, loss.mean(), atol=1e-6)
 
 
@@ -101,14 +104,17 @@ def test_step_prompt_indices_give_the_same_mini_batches_on_any_world_size():
     assert sorted(seen) == list(range(30))
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("group_size", 1, "--group-size must be >= 2"),
-    ("clip_eps_low", 0.0, "--clip-eps-low must be > 0"),
-    ("max_response_length", 0, "--max-response-length must be >= 1"),
-    ("zero_stage", 1, "--zero-stage must be 2 or 3"),
-    ("num_prompts_per_step", 6, "must be divisible by --num-mini-batches x world size"),
-    ("micro_batch_size", 3, "--micro-batch-size (3) must divide"),
-])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("group_size", 1, "--group-size must be >= 2"),
+        ("clip_eps_low", 0.0, "--clip-eps-low must be > 0"),
+        ("max_response_length", 0, "--max-response-length must be >= 1"),
+        ("zero_stage", 1, "--zero-stage must be 2 or 3"),
+        ("num_prompts_per_step", 6, "must be divisible by --num-mini-batches x world size"),
+        ("micro_batch_size", 3, "--micro-batch-size (3) must divide"),
+    ],
+)
 def test_validate_args_rejects_bad_values_with_the_flag_name(flag, value, message):
     args = gv.Args(num_prompts_per_step=8, num_mini_batches=2, group_size=4, micro_batch_size=4)
     gv.validate_args(args, 2)
@@ -132,7 +138,7 @@ def test_fixed_number_of_head_calls_gives_the_same_values():
 
 @pytest.mark.parametrize("temperature, with_entropy", [(1.0, True), (0.7, True), (0.7, False)])
 def test_logprob_entropy_backward_is_the_exact_gradient(temperature, with_entropy):
-    """The hand-written backward against autograd through log_softmax, in float64 (to rounding) and bf16 (dtype kept)."""
+    """The hand-written backward against autograd through log_softmax, in float64 (to rounding), bf16 (dtype kept)."""
     torch.manual_seed(0)
     z = torch.randn(6, 13, dtype=torch.float64, requires_grad=True)
     targets, u, w = torch.randint(0, 13, (6,)), torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)

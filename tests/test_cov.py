@@ -1,15 +1,16 @@
 """KL-Cov and Clip-Cov (grpo_klcov.py, grpo_clipcov.py): selection functions, the published per-token loss, and the
 global selection's invariance to micro-batch size and world size, end to end on the CPU testbed."""
+
 import os
 
 import pytest
 import torch
+from launch import final_weights, read_metrics, run_dir, run_script, script_flags
 from safetensors.torch import load_file
 
 import grpo_clipcov as cc
 import grpo_klcov as kc
 import grpo_vanilla as gv
-from launch import final_weights, read_metrics, run_dir, run_script, script_flags
 
 
 def test_both_scripts_share_the_covariance_and_the_gather():
@@ -90,7 +91,7 @@ def _published_kl_cov(logp, old, adv, mask, ratio, coef):
 
 
 def _published_clip_cov(logp, old, adv, mask, ratio, lb, ub, eps_low, eps_high, generator):
-    """Clip-Cov as published: PPO-clip loss; n random tokens among unclipped valid ones with lb < cov < ub get loss x 0."""
+    """Clip-Cov as published: PPO-clip loss; n random tokens of the unclipped ones with lb < cov < ub get loss x 0."""
     r = (logp - old).exp()
     surrogate, clipped_surrogate = -adv * r, -adv * r.clamp(1 - eps_low, 1 + eps_high)
     already = (clipped_surrogate > surrogate) & mask
@@ -166,8 +167,17 @@ def test_global_selection_is_the_same_on_any_layout(testbed, tmp_path, script):
     one, two = read_metrics(run_dir(tmp_path / "one")), read_metrics(run_dir(tmp_path / "two"))
     assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2]
     for a, b in zip(one, two):
-        for key in ("rollout/reward", "entropy/full", "cov/mean", "cov/selected_frac", "cov/selected_mean", own_metric,
-                    "losses/policy_loss", "losses/grad_norm", "losses/approx_kl"):
+        for key in (
+            "rollout/reward",
+            "entropy/full",
+            "cov/mean",
+            "cov/selected_frac",
+            "cov/selected_mean",
+            own_metric,
+            "losses/policy_loss",
+            "losses/grad_norm",
+            "losses/approx_kl",
+        ):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
         assert b["cov/selected_frac"] > 0 and b["rollout/vllm_logprob_gap"] < 1e-3
         assert 0 < b["entropy/full"] < 10 and b["time/cov_selection"] > 0
@@ -186,10 +196,13 @@ def test_global_selection_is_the_same_on_any_layout(testbed, tmp_path, script):
         assert torch.allclose(wa[k], wb[k], atol=1e-5), k
 
 
-@pytest.mark.parametrize("script, method", [
-    ("grpo_klcov.py", {"kl-cov-ratio": 1e-4}),
-    ("grpo_clipcov.py", {"clip-cov-ratio": 1e-4, "clip-cov-lb": -1e9, "clip-cov-ub": 1e9}),
-])
+@pytest.mark.parametrize(
+    "script, method",
+    [
+        ("grpo_klcov.py", {"kl-cov-ratio": 1e-4}),
+        ("grpo_clipcov.py", {"clip-cov-ratio": 1e-4, "clip-cov-lb": -1e9, "clip-cov-ub": 1e9}),
+    ],
+)
 def test_microbatch_scope_selects_per_micro_batch_like_the_reference(testbed, tmp_path, script, method):
     """At a tiny ratio the reference selects one token per micro-batch (4 per mini-batch here); global selects one."""
     flags = {**LAYOUT, **method, "cov-scope": "microbatch", "no-use-vllm": True}

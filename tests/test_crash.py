@@ -2,12 +2,12 @@
 trajectory; resume refuses changed settings. The real scripts on the CPU testbed; kills are injected into real
 library calls by tests/inject.py.
 """
+
 import shutil
 import signal
 
 import pytest
 import torch
-
 from launch import COMMON, checkpoints, fault_flags, final_weights, read_metrics, run_dir, run_script, trainer_state
 
 
@@ -41,13 +41,18 @@ def assert_same_run(a, b):
         assert torch.allclose(wa[k], wb[k], atol=1e-6), k
 
 
-@pytest.mark.parametrize("script, fault, complete", [
-    ("grpo_vanilla.py", "kill-generate:3", 2),  # step 3's rollouts
-    ("grpo_aent.py", "kill-step:5", 2),  # step 3's first optimizer update
-    ("grpo_klcov.py", "kill-step:6", 2),  # step 3's second update: the first one is already applied
-    ("grpo_clipcov.py", "kill-save:2", 1),  # writing step 2's checkpoint: engine state written, not yet complete
-])
-def test_killed_run_resumes_from_its_last_complete_checkpoint_on_the_same_trajectory(testbed, tmp_path, straight, script, fault, complete):
+@pytest.mark.parametrize(
+    "script, fault, complete",
+    [
+        ("grpo_vanilla.py", "kill-generate:3", 2),  # step 3's rollouts
+        ("grpo_aent.py", "kill-step:5", 2),  # step 3's first optimizer update
+        ("grpo_klcov.py", "kill-step:6", 2),  # step 3's second update: the first one is already applied
+        ("grpo_clipcov.py", "kill-save:2", 1),  # writing step 2's checkpoint: engine state written, not yet complete
+    ],
+)
+def test_killed_run_resumes_from_its_last_complete_checkpoint_on_the_same_trajectory(
+    testbed, tmp_path, straight, script, fault, complete
+):
     proc = run_script(script, fault_flags(testbed, script), tmp_path, nproc=0, fault=fault, check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     path = run_dir(tmp_path)
@@ -61,14 +66,35 @@ def test_killed_run_resumes_from_its_last_complete_checkpoint_on_the_same_trajec
 
 def test_resume_refuses_changed_training_settings(testbed, straight, tmp_path):
     path = shutil.copytree(straight("grpo_vanilla.py"), tmp_path / "run")
-    proc = run_script("grpo_vanilla.py", fault_flags(testbed, "grpo_vanilla.py", **{"resume": path, "learning-rate": 1e-3, "clip-eps-high": 0.28}),
-                      tmp_path / "a", nproc=0, check=False)
+    proc = run_script(
+        "grpo_vanilla.py",
+        fault_flags(testbed, "grpo_vanilla.py", **{"resume": path, "learning-rate": 1e-3, "clip-eps-high": 0.28}),
+        tmp_path / "a",
+        nproc=0,
+        check=False,
+    )
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode != 0 and last.startswith("error: --resume"), proc.stderr[-2000:]
-    assert "--learning-rate 0.0005 -> 0.001" in last and "--clip-eps-high 0.2 -> 0.28" in last and "--resume-allow-changes" in last
-    proc = run_script("grpo_vanilla.py", fault_flags(testbed, "grpo_vanilla.py", resume=path), tmp_path / "c", nproc=2, check=False)
-    assert "error: --resume" in proc.stderr and "written by 1 processes, launched with 2" in proc.stderr, proc.stderr[-2000:]
+    assert (
+        "--learning-rate 0.0005 -> 0.001" in last
+        and "--clip-eps-high 0.2 -> 0.28" in last
+        and "--resume-allow-changes" in last
+    )
+    proc = run_script(
+        "grpo_vanilla.py", fault_flags(testbed, "grpo_vanilla.py", resume=path), tmp_path / "c", nproc=2, check=False
+    )
+    assert "error: --resume" in proc.stderr and "written by 1 processes, launched with 2" in proc.stderr, proc.stderr[
+        -2000:
+    ]
     # allowed explicitly (and --total-steps may always change): trains on from step 4
-    run_script("grpo_vanilla.py", fault_flags(testbed, "grpo_vanilla.py", **{"resume": path, "learning-rate": 1e-3, "total-steps": 5,
-                                                                       "resume-allow-changes": True}), tmp_path / "b", nproc=0)
+    run_script(
+        "grpo_vanilla.py",
+        fault_flags(
+            testbed,
+            "grpo_vanilla.py",
+            **{"resume": path, "learning-rate": 1e-3, "total-steps": 5, "resume-allow-changes": True},
+        ),
+        tmp_path / "b",
+        nproc=0,
+    )
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4, 5]

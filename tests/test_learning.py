@@ -5,17 +5,28 @@ Measured with these flags (the first 40 steps of benchmarks/reproduce/testbed.sh
 mean reward of steps 31-40 minus steps 1-10: +0.285 / +0.266 / +0.235; entropy/full fall between the same blocks:
 37.6% / 34.7% / 35.2%. Noise: the per-step reward's standard deviation within a 10-step block is ~0.065 (128
 samples per step), so the difference of two 10-step means has a standard deviation of ~0.03 around zero for a run that
-does not learn; the required rise (0.15) is five of those above zero and 0.085 or more below every measured seed (and the
-required entropy fall, 20%, 15 points below). The test takes ~55 s. A run that
+does not learn; the required rise (0.15) is five of those above zero and 0.085 or more below every measured seed
+(and the required entropy fall, 20%, 15 points below). The test takes ~55 s. A run that
 does not learn (a broken advantage sign, a loss that never reaches the weights, a weight push vLLM ignores) fails.
 """
+
 import statistics
 
 from launch import read_metrics, run_dir, run_script, script_flags
 
-FLAGS = {"total-steps": 40, "num-prompts-per-step": 16, "group-size": 8, "max-response-length": 48,
-         "num-mini-batches": 2, "micro-batch-size": 32, "learning-rate": 2e-4, "warmup-steps": 5,
-         "no-gradient-checkpointing": True, "logprob-chunk-size": 1024, "seed": 1}
+FLAGS = {
+    "total-steps": 40,
+    "num-prompts-per-step": 16,
+    "group-size": 8,
+    "max-response-length": 48,
+    "num-mini-batches": 2,
+    "micro-batch-size": 32,
+    "learning-rate": 2e-4,
+    "warmup-steps": 5,
+    "no-gradient-checkpointing": True,
+    "logprob-chunk-size": 1024,
+    "seed": 1,
+}
 """the first 40 steps of the `make testbed` settings (Makefile TESTBED_ARGS), without evaluation"""
 REWARD_RISE = 0.15
 """required rise of the 10-step mean reward (measured: see the module docstring)"""

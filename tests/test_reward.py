@@ -64,7 +64,7 @@ def test_math500_solutions_grade_correct():
 
 
 def test_gsm8k_worked_answers_grade_correct():
-    """Each GSM8K worked answer, with its final number boxed, grades 1.0 against the loaded answer ("1,000" included)."""
+    """Each GSM8K worked answer, its final number boxed, grades 1.0 against the loaded answer ("1,000" included)."""
     texts = [row["answer"] for row in read_jsonl("gsm8k.jsonl")]
     responses = [t.split("####")[0] + f"\\boxed{{{t.split('####')[-1].strip()}}}" for t in texts]
     answers = [p["answer"] for p in load_problems(str(DATA / "gsm8k.jsonl"))]
@@ -95,13 +95,13 @@ def _grade_timed(cases, clock=time.monotonic):
 
 @pytest.mark.parametrize("response,answer", PATHOLOGICAL, ids=["tower", "tower_gold", "nested_frac", "huge", "braces"])
 def test_pathological_main_thread(response, answer):
-    (reward, status, seconds), = _grade_timed([(response, answer)], time.process_time)  # the budget is CPU time
+    ((reward, status, seconds),) = _grade_timed([(response, answer)], time.process_time)  # the budget is CPU time
     assert reward == 0.0 and seconds < TIMEOUT_S + SLACK_S, (status, seconds)
     assert math_reward("\\boxed{2}", "2") == 1.0  # grading still works after an interrupted one
 
 
 def test_pathological_other_thread():
-    """Outside the main thread grading goes through a subprocess that is killed if it overruns: it still returns in time."""
+    """Outside the main thread grading goes through a subprocess, killed if it overruns: it still returns in time."""
     results = []
     cases = PATHOLOGICAL[:1] + [("\\boxed{2}", "2")]
     thread = threading.Thread(target=lambda: results.extend(_grade_timed([("\\boxed{1}", "1")] + cases)))

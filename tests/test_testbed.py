@@ -1,4 +1,5 @@
 """utils/testbed.py: the cached CPU testbed (tokenizer, tiny Qwen2, arithmetic data, SFT warm-up) and its base stats."""
+
 import dataclasses
 import json
 import os
@@ -32,9 +33,14 @@ def test_build_is_cached_and_complete(testbed):
     again = tb_mod.build_testbed()
     assert time.time() - t < 5  # found, not rebuilt
     assert again.model_dir == testbed.model_dir and again.stats == testbed.stats
-    for path in (testbed.train_file, testbed.test_file, os.path.join(testbed.model_dir, "model.safetensors"),
-                 os.path.join(testbed.model_dir, "tokenizer.json"), os.path.join(testbed.model_dir, "config.json"),
-                 os.path.join(testbed.model_dir, "generation_config.json")):
+    for path in (
+        testbed.train_file,
+        testbed.test_file,
+        os.path.join(testbed.model_dir, "model.safetensors"),
+        os.path.join(testbed.model_dir, "tokenizer.json"),
+        os.path.join(testbed.model_dir, "config.json"),
+        os.path.join(testbed.model_dir, "generation_config.json"),
+    ):
         assert os.path.isfile(path), path
     assert testbed.stats["version"] == tb_mod.VERSION
     assert testbed.stats["recipe"] == dataclasses.asdict(tb_mod.Recipe())
@@ -46,7 +52,9 @@ def test_shipped_testbed_matches_its_recorded_hashes():
         stats = json.load(f)
     assert stats["version"] == tb_mod.VERSION and stats["recipe"] == dataclasses.asdict(tb_mod.Recipe())
     assert tb_mod.files_sha256(tb_mod.SHIPPED_DIR) == stats["files_sha256"]
-    assert {"model/model.safetensors", "model/tokenizer.json", "train.jsonl", "test.jsonl"} <= stats["files_sha256"].keys()
+    assert {"model/model.safetensors", "model/tokenizer.json", "train.jsonl", "test.jsonl"} <= stats[
+        "files_sha256"
+    ].keys()
     model = AutoModelForCausalLM.from_pretrained(os.path.join(tb_mod.SHIPPED_DIR, "model"), dtype=torch.float32)
     assert tb_mod.weights_sha256(model) == stats["weights_sha256"]
 
@@ -109,8 +117,11 @@ def test_tokenizer_loads_with_the_trained_ids(testbed, tok):
     raw = Tokenizer.from_file(os.path.join(testbed.model_dir, "tokenizer.json"))
     assert trained.get_vocab() == tok.get_vocab() and len(tok) == testbed.stats["vocab_size"]
     texts = corpus[:50] + [format_prompt(p["problem"], tok) for p in load_problems(testbed.test_file)[:20]]
-    texts += ["héllo wörld, 你好! 12345 \n\n  tabs\tand 'quotes' don't", "\\boxed{-17} \\frac{1}{2}",
-              "<|im_start|>x<|im_end|>"]
+    texts += [
+        "héllo wörld, 你好! 12345 \n\n  tabs\tand 'quotes' don't",
+        "\\boxed{-17} \\frac{1}{2}",
+        "<|im_start|>x<|im_end|>",
+    ]
     for text in texts:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert ids == trained(text, add_special_tokens=False)["input_ids"]
@@ -136,8 +147,13 @@ def test_model_config(testbed, model, tok):
     assert c.hidden_size // c.num_attention_heads in (32, 64, 80, 96, 112, 128, 256)  # vLLM CPU head sizes
     assert c.eos_token_id == tok.eos_token_id and c.pad_token_id == tok.pad_token_id
     g = model.generation_config
-    assert (g.eos_token_id, g.pad_token_id, g.top_k, g.top_p, g.temperature) == (tok.eos_token_id, tok.pad_token_id,
-                                                                                0, 1.0, 1.0)
+    assert (g.eos_token_id, g.pad_token_id, g.top_k, g.top_p, g.temperature) == (
+        tok.eos_token_id,
+        tok.pad_token_id,
+        0,
+        1.0,
+        1.0,
+    )
     assert sum(p.numel() for p in model.parameters()) == testbed.stats["n_params"]
 
 
@@ -167,12 +183,13 @@ def test_default_generate_samples_the_policy(testbed, model, tok):
     from utils.reward import last_boxed
 
     rows = load_problems(testbed.test_file)[:200]
-    enc = tok([format_prompt(p["problem"], tok) for p in rows], return_tensors="pt", padding=True,
-              add_special_tokens=False)
+    enc = tok(
+        [format_prompt(p["problem"], tok) for p in rows], return_tensors="pt", padding=True, add_special_tokens=False
+    )
     torch.manual_seed(123)
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=48, num_return_sequences=4)
-    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     acc = sum(last_boxed(t) == rows[i // 4]["answer"] for i, t in enumerate(texts)) / len(texts)
     assert abs(acc - testbed.stats["sampled_accuracy"]) < 0.08, acc
     varied = sum(len(set(texts[i : i + 4])) > 1 for i in range(0, len(texts), 4)) / len(rows)
@@ -182,8 +199,19 @@ def test_default_generate_samples_the_policy(testbed, model, tok):
 def test_build_in_a_fresh_dir_is_atomic_cached_and_reproducible(tmp_path):
     """The whole pipeline on a toy recipe: a complete dir appears (nothing left behind), a second call reuses it, and
     a forced rebuild gives bit-identical weights and data."""
-    r = tb_mod.Recipe(n_test=8, n_train=40, n_dev=8, n_sft=200, hidden_size=64, num_heads=2, num_kv_heads=1,
-                      intermediate_size=128, sft_steps=4, eval_every=2, eval_samples=2)
+    r = tb_mod.Recipe(
+        n_test=8,
+        n_train=40,
+        n_dev=8,
+        n_sft=200,
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+        sft_steps=4,
+        eval_every=2,
+        eval_samples=2,
+    )
     logs = []
     tb = tb_mod.build_testbed(str(tmp_path / "tb"), recipe=r, log=logs.append)
     assert sorted(os.listdir(tmp_path)) == ["tb", "tb.lock"]
@@ -235,24 +263,38 @@ def test_vllm_greedy_matches_hf_greedy(testbed, model, tok):
     Prompts whose greedy path has a near-tie (top-2 logit gap < 1e-3) are skipped: kernels may break those either
     way."""
     rows = load_problems(testbed.test_file)[:24]
-    enc = tok([format_prompt(p["problem"], tok) for p in rows], return_tensors="pt", padding=True,
-              add_special_tokens=False)
+    enc = tok(
+        [format_prompt(p["problem"], tok) for p in rows], return_tensors="pt", padding=True, add_special_tokens=False
+    )
     with torch.no_grad():
-        out = model.generate(**enc, do_sample=False, max_new_tokens=48, output_logits=True,
-                             return_dict_in_generate=True)
+        out = model.generate(
+            **enc, do_sample=False, max_new_tokens=48, output_logits=True, return_dict_in_generate=True
+        )
     top2 = torch.stack(out.logits, 1).topk(2, dim=-1).values
     gaps = top2[..., 0] - top2[..., 1]
     prompts, expected = [], []
-    for i, seq in enumerate(out.sequences[:, enc["input_ids"].shape[1]:].tolist()):
+    for i, seq in enumerate(out.sequences[:, enc["input_ids"].shape[1] :].tolist()):
         n = seq.index(tok.eos_token_id) + 1 if tok.eos_token_id in seq else len(seq)
         if gaps[i, :n].min() > 1e-3 and len(prompts) < 8:
             prompts.append(enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist())
             expected.append(seq[:n])
     assert len(prompts) == 8
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-c", VLLM_GREEDY, testbed.model_dir], input=json.dumps(prompts),
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", VLLM_GREEDY, testbed.model_dir],
+        input=json.dumps(prompts),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     got = json.loads(lines[-1].removeprefix("RESULT "))

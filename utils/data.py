@@ -69,7 +69,7 @@ def _pick_field(
 
 
 def normalize_answer(value) -> str:
-    """The final answer in a raw answer cell: lists joined, GSM8K "#### x" -> x, last \\boxed{} kept, outer $..$ dropped."""
+    """The final answer in a raw answer cell: lists joined, GSM8K "#### x" -> x, last \\boxed{} kept, outer $..$ off."""
     if value is None:
         return ""
     if isinstance(value, float) and value.is_integer():  # AMC23 stores 27.0
@@ -129,7 +129,8 @@ def load_problems(
         raise ValueError(f"dataset {source!r} has no row with a non-empty {fields} ({len(problems)} rows)")
     if len(rows) < len(problems):
         skipped = len(problems) - len(rows)
-        warnings.warn(f"dataset {source!r}: skipped {skipped} of {len(problems)} rows with an empty problem or answer")
+        message = f"dataset {source!r}: skipped {skipped} of {len(problems)} rows with an empty problem or answer"
+        warnings.warn(message, stacklevel=2)
     return rows
 
 

@@ -61,7 +61,7 @@ def _on_alarm(signum, frame):
 
 @functools.cache
 def _math_verify():
-    """Import math-verify lazily (0.3-0.5 s) and silence its one-time 'timeout disabled' warning: we bound time ourselves."""
+    """Import math-verify lazily (0.3-0.5 s), silencing its one-time 'timeout disabled' warning (we bound the time)."""
     import math_verify
     from math_verify import grader, parser
 
@@ -84,7 +84,9 @@ def _verify(content: str, answer: str) -> tuple[float, str]:
     gold = _parse_gold(answer)
     if not gold:
         return 0.0, "error"
-    pred = mv.parse(f"\\boxed{{{content}}}", [mv.LatexExtractionConfig(), mv.ExprExtractionConfig()], parsing_timeout=None)
+    pred = mv.parse(
+        f"\\boxed{{{content}}}", [mv.LatexExtractionConfig(), mv.ExprExtractionConfig()], parsing_timeout=None
+    )
     return float(mv.verify(gold, pred, timeout_seconds=None)), "ok"
 
 
@@ -124,7 +126,10 @@ def _verify_in_worker(content: str, answer: str, timeout: float) -> tuple[float,
         if worker is None:
             worker = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--worker"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                bufsize=1,
             )
             _local.worker = worker
             weakref.finalize(threading.current_thread(), _stop, worker)  # ends with its thread, or at exit
@@ -170,7 +175,7 @@ def _worker_main():
 
 
 def grade(response: str, answer: str, timeout: float = TIMEOUT_S) -> tuple[float, str]:
-    """(reward, status): 1.0 if the last \\boxed{} answer equals `answer` per math-verify; status in STATUSES. Never raises.
+    """(reward, status): 1.0 if the last \\boxed{} answer equals `answer` per math-verify; status in STATUSES; no raise.
 
     In the main thread a profiling interval timer (SIGPROF) bounds the CPU time; in other threads a per-thread
     subprocess does the grading under the same timer and is killed if it overruns in wall time (its first call also

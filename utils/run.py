@@ -16,7 +16,6 @@ import signal
 import subprocess
 import time
 from dataclasses import asdict
-from typing import Optional
 
 import deepspeed
 import numpy as np
@@ -134,7 +133,8 @@ def check_args(args, world_size: int, method_checks=()) -> None:
     check(
         local_sequences % args.micro_batch_size == 0,
         f"--micro-batch-size ({args.micro_batch_size}) must divide the "
-        f"sequences per rank and mini-batch ({local_sequences} = prompts per step / (mini-batches x world size) x group size)",
+        f"sequences per rank and mini-batch ({local_sequences} = prompts per step / (mini-batches x world size) x "
+        "group size)",
     )
     for ok, message in method_checks:
         check(ok, message)
@@ -333,7 +333,7 @@ def changed_settings(saved: dict, current: dict) -> list:
     ]
 
 
-def latest_checkpoint(path: str) -> Optional[str]:
+def latest_checkpoint(path: str) -> str | None:
     """The newest complete checkpoint under a run directory, or `path` itself if it is a checkpoint."""
     if os.path.exists(os.path.join(path, "trainer_state.json")):
         return path
@@ -441,7 +441,7 @@ class Tracker:
     """Rank 0 writes run_dir/args.json and appends one line per logged step to run_dir/metrics.jsonl (a resumed run
     first drops the lines after its checkpoint); with --track also wandb, with the library versions and the commit."""
 
-    def __init__(self, args, run_dir: str, rank: int, resumed_step: Optional[int] = None):
+    def __init__(self, args, run_dir: str, rank: int, resumed_step: int | None = None):
         self.rank, self.track, self.path = rank, args.track, os.path.join(run_dir, "metrics.jsonl")
         if rank != 0:
             return

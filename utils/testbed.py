@@ -134,7 +134,9 @@ def make_problems(seed: int, n: int, minus_share: float = 0.25) -> list[dict]:
             terms = (a, b, c)
         if terms not in seen:
             seen.add(terms)
-            problem = "What is {}?".format(f"{terms[0]}" + "".join(f" {'-' if t < 0 else '+'} {abs(t)}" for t in terms[1:]))
+            problem = "What is {}?".format(
+                f"{terms[0]}" + "".join(f" {'-' if t < 0 else '+'} {abs(t)}" for t in terms[1:])
+            )
             rows.append({"problem": problem, "answer": str(sum(terms)), "terms": terms})
     return rows
 
@@ -156,8 +158,9 @@ def slip(x: int, y: int, rng: random.Random) -> int:
     return rng.choice(options)
 
 
-def solution(terms, path: int, rng: random.Random | None = None, error_rate: float = 0.0,
-             misread_rate: float = 0.0) -> str:
+def solution(
+    terms, path: int, rng: random.Random | None = None, error_rate: float = 0.0, misread_rate: float = 0.0
+) -> str:
     """The worked solution along PATHS[path] (a pair starting with a subtracted number is written the other way round:
     c - b, not -b + c). With `rng`, each sum is a slip() with probability error_rate, and a subtraction in the last
     place (a + b - c) is read as an addition with probability misread_rate (the misconception)."""
@@ -267,8 +270,13 @@ def make_model(r: Recipe, vocab_size: int, tok):
     model = Qwen2ForCausalLM(config).float()
     # Sampling defaults follow the policy exactly (HF's default top_k=50 would not).
     model.generation_config = GenerationConfig(
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-        do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
     )
     return model
 
@@ -310,8 +318,9 @@ def first_path(text: str, terms) -> int | None:
     return None
 
 
-def measure(model, tok, rows: list[dict], n_samples: int, seed: int = 0, max_new_tokens: int = 48,
-            batch_size: int = 64) -> dict:
+def measure(
+    model, tok, rows: list[dict], n_samples: int, seed: int = 0, max_new_tokens: int = 48, batch_size: int = 64
+) -> dict:
     """HF generate at T=1 (top_k=0, top_p=1) with n_samples per prompt, or greedy (n_samples=0): accuracy (exact match
     of the last boxed answer; math-verify agrees on integers), pass@k (unbiased estimator, k = 1, 2, 4, .., n),
     mean response-token entropy (nats, token mean, eos included), response length, truncation rate (no eos within
@@ -330,10 +339,20 @@ def measure(model, tok, rows: list[dict], n_samples: int, seed: int = 0, max_new
         torch.manual_seed(seed)
         for s in range(0, len(rows), batch_size):
             chunk = rows[s : s + batch_size]
-            enc = tok([format_prompt(r["problem"], tok) for r in chunk], return_tensors="pt", padding=True,
-                      add_special_tokens=False)
-            out = model.generate(**enc, **sampling, max_new_tokens=max_new_tokens, num_return_sequences=n,
-                                 output_logits=True, return_dict_in_generate=True)
+            enc = tok(
+                [format_prompt(r["problem"], tok) for r in chunk],
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=False,
+            )
+            out = model.generate(
+                **enc,
+                **sampling,
+                max_new_tokens=max_new_tokens,
+                num_return_sequences=n,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
             resp = out.sequences[:, enc["input_ids"].shape[1] :]
             is_eos = resp == tok.eos_token_id
             valid = (is_eos.long().cumsum(1) - is_eos.long()) == 0  # response tokens up to and including eos
@@ -356,8 +375,9 @@ def measure(model, tok, rows: list[dict], n_samples: int, seed: int = 0, max_new
     }
     if n_samples:
         ks = sorted({min(2**i, n) for i in range(n.bit_length() + 1)})
-        stats["pass@k"] = {k: sum(1 - math.comb(n - c, k) / math.comb(n, k) for c in per_prompt) / len(per_prompt)
-                           for k in ks}
+        stats["pass@k"] = {
+            k: sum(1 - math.comb(n - c, k) / math.comb(n, k) for c in per_prompt) / len(per_prompt) for k in ks
+        }
     if n_samples >= 8:
         groups = [correct[i : i + 8] for i in range(0, len(correct), n)]
         stats["all_equal_groups_of_8"] = sum(len(set(g)) == 1 for g in groups) / len(groups)
@@ -481,8 +501,12 @@ def _load(cache_dir: str, r: Recipe) -> Testbed | None:
         return None
     if stats.get("version") != VERSION or stats.get("recipe") != dataclasses.asdict(r):
         return None
-    return Testbed(os.path.join(cache_dir, "model"), os.path.join(cache_dir, "train.jsonl"),
-                   os.path.join(cache_dir, "test.jsonl"), stats)
+    return Testbed(
+        os.path.join(cache_dir, "model"),
+        os.path.join(cache_dir, "train.jsonl"),
+        os.path.join(cache_dir, "test.jsonl"),
+        stats,
+    )
 
 
 @contextlib.contextmanager
@@ -506,11 +530,12 @@ def _quiet_and_isolated(num_threads: int):
             transformers.utils.logging.enable_progress_bar()
 
 
-def build_testbed(cache_dir: str | None = None, force: bool = False, recipe: Recipe | None = None,
-                  log=print) -> Testbed:
+def build_testbed(
+    cache_dir: str | None = None, force: bool = False, recipe: Recipe | None = None, log=print
+) -> Testbed:
     """The testbed in `cache_dir` (default: $GRPO_TESTBED_DIR, else the shipped `testbed/`), built first if missing,
     made by another recipe, or `force` (~10 min on an idle core). Concurrent callers wait on a file lock; a build goes
-    to a temp dir renamed into place with stats.json written last, so a dir is either complete or ignored and rebuilt."""
+    to a temp dir renamed into place with stats.json written last, so a dir is either complete or rebuilt."""
     r = recipe or Recipe()
     cache_dir = os.path.abspath(os.path.expanduser(cache_dir or default_cache_dir()))
     if not force and (tb := _load(cache_dir, r)) is not None:
@@ -562,26 +587,34 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help=f"testbed dir (default $GRPO_TESTBED_DIR or {default_cache_dir()})")
     parser.add_argument("--force", action="store_true", help="rebuild from the recipe even if a complete build exists")
-    parser.add_argument("--measure", metavar="MODEL_DIR", help="measure a model (e.g. runs/<run>/final) on test.jsonl, "
-                        "by kind of problem: greedy accuracy, and 16 samples' accuracy, pass@k, entropy, paths")
+    parser.add_argument(
+        "--measure",
+        metavar="MODEL_DIR",
+        help="measure a model (e.g. runs/<run>/final) on test.jsonl, "
+        "by kind of problem: greedy accuracy, and 16 samples' accuracy, pass@k, entropy, paths",
+    )
     args = parser.parse_args()
     if args.measure:
         with _quiet_and_isolated(Recipe().num_threads):
             by_kind = measure_by_kind(args.measure, Recipe())
         for kind, m in by_kind.items():
-            print(f"{kind}: {m['problems']} problems, greedy acc {m['greedy_accuracy']:.3f}, sampled acc "
-                  f"{m['accuracy']:.3f}, pass@16 {m['pass@k'][16]:.3f}, entropy {m['entropy']:.3f}, "
-                  f"paths {' / '.join(f'{x:.2f}' for x in m['path_share'])}")
+            print(
+                f"{kind}: {m['problems']} problems, greedy acc {m['greedy_accuracy']:.3f}, sampled acc "
+                f"{m['accuracy']:.3f}, pass@16 {m['pass@k'][16]:.3f}, entropy {m['entropy']:.3f}, "
+                f"paths {' / '.join(f'{x:.2f}' for x in m['path_share'])}"
+            )
         return
     tb = build_testbed(args.out, force=args.force)
     s, n = tb.stats, tb.stats["recipe"]["eval_samples"]
     changed = [f for f, h in files_sha256(os.path.dirname(tb.model_dir)).items() if s["files_sha256"].get(f) != h]
     print(f"model_dir  {tb.model_dir}\ntrain_file {tb.train_file}\ntest_file  {tb.test_file}")
-    print(f"vocab {s['vocab_size']}, {s['n_params'] / 1e6:.2f}M params, {s['sft']['steps']} SFT steps; test: "
-          f"sampled acc {s['sampled_accuracy']:.3f}, greedy acc {s['greedy_accuracy']:.3f}, "
-          f"pass@{n} {s['pass_at_k'][str(n)]:.3f}, token entropy {s['entropy']:.3f} nats, "
-          f"response {s['response_len']:.1f} tokens, truncated {s['truncated']:.3f}, "
-          f"all-equal groups of 8 {s['all_equal_groups_of_8']:.2f}; built in {s['build_time_s']:.0f}s")
+    print(
+        f"vocab {s['vocab_size']}, {s['n_params'] / 1e6:.2f}M params, {s['sft']['steps']} SFT steps; test: "
+        f"sampled acc {s['sampled_accuracy']:.3f}, greedy acc {s['greedy_accuracy']:.3f}, "
+        f"pass@{n} {s['pass_at_k'][str(n)]:.3f}, token entropy {s['entropy']:.3f} nats, "
+        f"response {s['response_len']:.1f} tokens, truncated {s['truncated']:.3f}, "
+        f"all-equal groups of 8 {s['all_equal_groups_of_8']:.2f}; built in {s['build_time_s']:.0f}s"
+    )
     print("files match stats.json" if not changed else f"warning: files differ from stats.json: {', '.join(changed)}")
 
 
