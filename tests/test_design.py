@@ -1,0 +1,90 @@
+"""The design the method files promise: each is grpo_vanilla.py plus its method. Every top-level function and class of
+grpo_vanilla.py is in each method file with the same source, except the few listed here; in those and in the main
+block, vanilla's lines appear in the method file in the same order, and the only vanilla lines a method replaces are
+the ones listed. A change to the shared part that misses a file, or a method edit that leaks into the shared part,
+fails here."""
+
+import ast
+import difflib
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# top-level definitions a method changes (the rest must be identical), and the vanilla lines it replaces in them
+CHANGED = {
+    "grpo_aent.py": {
+        "Args": [],
+        "validate_args": ["run.check_args(args, world_size, method_checks=[])"],
+        "__main__": [
+            "start_step, method_state = 0, {}",
+            "logp, entropy, _ = logprobs(policy, batch, with_entropy=True)",
+            "logp, entropy, _ = logprobs(policy, batch, with_entropy=not separate_pass)",
+        ],
+    },
+    "grpo_klcov.py": {
+        "Args": [
+            '"""optimizer updates per rollout batch and epoch (the batch is split into this many mini-batches)"""'
+        ],
+        "validate_args": ["run.check_args(args, world_size, method_checks=[])"],
+        "__main__": ["token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, args.clip_eps_low, args.clip_eps_high)"],
+    },
+    "grpo_clipcov.py": {
+        "Args": [
+            "clip_eps_low: float = 0.2",
+            '"""PPO lower clip: ratio >= 1 - eps_low"""',
+            "clip_eps_high: float = 0.2",
+            '"""PPO upper clip: ratio <= 1 + eps_high (DAPO\'s clip-higher: 0.28)"""',
+        ],
+        "validate_args": ["run.check_args(args, world_size, method_checks=[])"],
+        "__main__": [],
+    },
+}
+
+
+def top_level(path: str) -> dict:
+    """name -> source lines of each top-level function, class and the `if __name__ == "__main__":` block."""
+    source = open(os.path.join(ROOT, path)).read()
+    lines = source.splitlines()
+    found = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            found[node.name] = lines[node.lineno - 1 : node.end_lineno]
+        elif isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            found["__main__"] = lines[node.lineno - 1 : node.end_lineno]
+    return found
+
+
+@pytest.mark.parametrize("script", sorted(CHANGED))
+def test_method_file_is_vanilla_plus_its_method(script):
+    vanilla, method = top_level("grpo_vanilla.py"), top_level(script)
+    missing = sorted(set(vanilla) - set(method))
+    assert not missing, f"{script} lacks vanilla's {missing}"
+    for name, lines in vanilla.items():
+        if name not in CHANGED[script]:
+            assert method[name] == lines, f"{script}: {name} differs from grpo_vanilla.py's (a shared definition)"
+            continue
+        matcher = difflib.SequenceMatcher(None, lines, method[name], autojunk=False)
+        kept = {i for block in matcher.get_matching_blocks() for i in range(block.a, block.a + block.size)}
+        replaced = sorted(line.strip() for i, line in enumerate(lines) if i not in kept)
+        assert replaced == sorted(CHANGED[script][name]), f"{script}: {name} replaces other vanilla lines: {replaced}"
+
+
+@pytest.mark.parametrize("script", sorted(CHANGED))
+def test_method_definitions_are_under_a_banner(script):
+    """A method's own top-level definitions sit together, under one `# ---- <method>: ... ----` banner."""
+    vanilla = top_level("grpo_vanilla.py")
+    source = open(os.path.join(ROOT, script)).read().splitlines()
+    own = [n for n in ast.parse("\n".join(source)).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    own = [n for n in own if n.name not in vanilla]
+    assert own, f"{script} defines no function of its own"
+    banner = [i for i, line in enumerate(source) if line.startswith("# ---- ")]
+    assert len(banner) == 1 and banner[0] == own[0].lineno - 2, f"{script}: no banner right above {own[0].name}"
+    first, last = own[0].lineno, own[-1].end_lineno
+    shared_inside = [
+        n.name
+        for n in ast.parse("\n".join(source)).body
+        if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in vanilla and first <= n.lineno <= last
+    ]
+    assert not shared_inside, f"{script}: shared {shared_inside} inside the method's block"
