@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Seeded short testbed runs of two checkouts of this repository, side by side: do they log the same metrics?
+# The check behind a change that must not change behaviour (e.g. the December 2026 redesign of the four scripts).
+#   git worktree add /tmp/before <commit>
+#   bash benchmarks/same_metrics.sh /tmp/before . runs/same_metrics
+# 11 configurations: each method, the single-update path (no log-prob pass), a reference-KL run, the reference's
+# micro-batch Cov scope, ZeRO-3 on 2 ranks; 6 steps each, evaluation (greedy + 4 samples) at steps 0, 3, 6.
+set -uo pipefail
+if [ $# -lt 2 ]; then echo "usage: bash benchmarks/same_metrics.sh BEFORE_CHECKOUT AFTER_CHECKOUT [OUT]" >&2; exit 2; fi
+BEFORE=$(realpath "$1"); AFTER=$(realpath "$2"); OUT=$(realpath -m "${3:-runs/same_metrics}")
+ROOT=$(cd "$(dirname "$0")/.." && pwd); PY=${PY:-$ROOT/.venv/bin/python}
+export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_LOGGING_LEVEL=WARNING WANDB_MODE=offline \
+    HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+TB=$ROOT/testbed
+BASE="--model-name-or-path $TB/model --dataset $TB/train.jsonl --eval-dataset $TB/test.jsonl --total-steps 6
+  --num-prompts-per-step 16 --group-size 8 --max-prompt-length 128 --max-response-length 48 --micro-batch-size 32
+  --learning-rate 2e-4 --warmup-steps 2 --no-gradient-checkpointing --eval-every 3 --eval-num-prompts 32
+  --eval-samples 4 --save-every 0"
+AENT="--clamp-p 0.33 --entropy-coef 0.05 --entropy-low 0.08 --entropy-high 0.10 --entropy-coef-lr 0.5
+  --entropy-coef-warmup 1 --entropy-coef-min 0 --entropy-coef-max 0.5"
+KL="--kl-cov-ratio 0.1 --ppo-kl-coef 1"
+CC="--clip-cov-ratio 0.02 --clip-cov-lb 0.5 --clip-cov-ub 5 --clip-eps-low 0.2 --clip-eps-high 0.2"
+CONFIGS=(
+  "vanilla_mb2 1 grpo_vanilla.py --num-mini-batches 2"
+  "vanilla_mb1_kl 1 grpo_vanilla.py --num-mini-batches 1 --kl-coef 0.05"
+  "vanilla_mb1 1 grpo_vanilla.py --num-mini-batches 1"
+  "aent_mb2 1 grpo_aent.py --num-mini-batches 2 $AENT"
+  "aent_mb1 1 grpo_aent.py --num-mini-batches 1 $AENT"
+  "klcov_mb2 1 grpo_klcov.py --num-mini-batches 2 $KL"
+  "klcov_micro 1 grpo_klcov.py --num-mini-batches 2 --num-epochs 2 --cov-scope microbatch --micro-batch-size 16 $KL"
+  "clipcov_mb2 1 grpo_clipcov.py --num-mini-batches 2 $CC"
+  "clipcov_micro 1 grpo_clipcov.py --num-mini-batches 1 --cov-scope microbatch --micro-batch-size 16 $CC"
+  "vanilla_z3_2p 2 grpo_vanilla.py --num-mini-batches 2 --zero-stage 3 --no-use-vllm --micro-batch-size 16"
+  "aent_z3_2p 2 grpo_aent.py --num-mini-batches 2 --zero-stage 3 --no-use-vllm --micro-batch-size 16 $AENT"
+)
+failed=0
+for config in "${CONFIGS[@]}"; do
+  read -r name nproc script flags <<< "$config"
+  for side in before after; do
+    code=$BEFORE; [ $side = after ] && code=$AFTER
+    rm -rf "$OUT/$side/$name"; mkdir -p "$OUT/$side"
+    (cd "$code" && $PY -m torch.distributed.run --nproc_per_node "$nproc" --master_port $((29600 + RANDOM % 300)) \
+        "$script" $BASE --output-dir "$OUT/$side/$name" $flags > "$OUT/$side/$name.log" 2>&1) \
+      || { echo "$name ($side): failed, see $OUT/$side/$name.log"; failed=1; continue 2; }
+  done
+  printf '%-15s ' "$name"
+  $PY "$ROOT/benchmarks/compare_metrics.py" "$OUT"/before/"$name"/*/metrics.jsonl "$OUT"/after/"$name"/*/metrics.jsonl \
+    || failed=1
+done
+exit $failed
