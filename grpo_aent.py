@@ -24,8 +24,8 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from utils import run
-from utils.data import load_tokenizer, step_prompt_indices, tokenized_prompts
+from utils import checkpoints, run
+from utils.data import check_model, load_tokenizer, step_prompt_indices, tokenized_prompts
 from utils.reward import grade
 
 
@@ -457,9 +457,8 @@ def generate(args, sampler, policy, tokenizer, prompts: list, seeds: list, n: in
 
 
 def evaluate(args, sampler, policy, tokenizer, eval_data: list, logprobs, group=None) -> dict:
-    """Held-out metrics (utils.run.eval_metrics): greedy accuracy; with --eval-samples n, also n samples per prompt at
-    the training temperature (seeded by the prompt's position only: every evaluation and every run draws the same
-    way), their mean accuracy, pass@k and entropy (computed by the policy)."""
+    """Held-out greedy accuracy; with --eval-samples n also n samples per prompt at the training temperature (seeded by
+    the prompt's position: the same draw each time), their mean accuracy, pass@k, entropy (utils.run.eval_metrics)."""
     rank, world_size, n, device = dist.get_rank(), dist.get_world_size(), args.eval_samples, policy.device
     prompts, answers = [p for p, _ in eval_data[rank::world_size]], [a for _, a in eval_data[rank::world_size]]
     greedy = generate(args, sampler, policy, tokenizer, prompts, [0] * len(prompts), 1, True, group)
@@ -483,6 +482,7 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     rank, local_rank, world_size, device, on_gpu = run.init_distributed()
     validate_args(args, world_size)
+    check_model(args)  # the model loads and the context fits it
     args.world_size, args.git_commit = world_size, run.git_commit()
     run_dir, resumed = run.open_run(args, world_size, device)  # resume continues the run directory of its checkpoint
 
@@ -511,7 +511,7 @@ if __name__ == "__main__":
     # method_state: what a method carries across steps (saved in checkpoints)
     start_step, method_state = 0, {"entropy_coef": args.entropy_coef}
     if resumed:
-        start_step, method_state = run.load_checkpoint(policy, resumed, rank)
+        start_step, method_state = checkpoints.load(policy, resumed, rank)
     # ZeRO-3 gathers weights per call, so every rank calls the head equally often (bounded by the longest batch)
     calls = math.ceil(mbs * args.max_response_length / args.logprob_chunk_size) if args.zero_stage == 3 else None
 
@@ -682,7 +682,7 @@ if __name__ == "__main__":
         if bad_steps >= args.max_bad_steps:  # every rank agrees: the skip decision is global
             raise SystemExit(
                 f"error: {bad_steps} consecutive steps had a non-finite gradient (updates skipped, weights "
-                f"still finite); newest checkpoint: {run.latest_checkpoint(run_dir)}; metrics: {tracker.path}"
+                f"still finite); newest checkpoint: {checkpoints.latest(run_dir)}; metrics: {tracker.path}"
             )
         done = step + 1 == args.total_steps
         if eval_data and args.eval_every and ((step + 1) % args.eval_every == 0 or done):
@@ -690,7 +690,7 @@ if __name__ == "__main__":
         trim_heap()
         stopping = stop.agreed(device)  # a signal to any rank stops them all
         if (args.save_every and (step + 1) % args.save_every == 0) or done or stopping:
-            run.save_checkpoint(policy, run_dir, step + 1, method_state, args, rank)
+            checkpoints.save(policy, run_dir, step + 1, method_state, args, rank, final=done or stopping)
         if stopping:
             break
 

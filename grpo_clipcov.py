@@ -25,8 +25,8 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from utils import run
-from utils.data import load_tokenizer, step_prompt_indices, tokenized_prompts
+from utils import checkpoints, run
+from utils.data import check_model, load_tokenizer, step_prompt_indices, tokenized_prompts
 from utils.reward import grade
 
 
@@ -249,18 +249,38 @@ def gather_ranks(x: torch.Tensor):
     return torch.cat([p[:n] for p, n in zip(parts, sizes)]), sum(sizes[: dist.get_rank()])
 
 
-def clip_cov_global_selection(current: list, old: list, advantages: list, args, generator):
+def clip_cov_global_selection(current: list, old_logps: list, batches: list, mb: range, args, generator):
     """--cov-scope global: covariances against the means of the whole optimizer mini-batch of all ranks, and one draw
-    among the eligible tokens of all of them; given the current and old log-probs and the advantages of this rank's
-    micro-batches (one flat tensor each), their (covariances, selection masks)."""
-    sizes = [len(x) for x in old]
-    current, old, advantages = torch.cat(current), torch.cat(old), torch.cat(advantages)
+    among the eligible tokens of all of them; given the current log-probs of this rank's micro-batches
+    `batches[i] for i in mb` (one flat tensor each), their (covariances, selection masks)."""
+    sizes = [len(x) for x in current]
+    current, old = torch.cat(current), torch.cat([old_logps[i] for i in mb])
+    advantages = torch.cat([batches[i]["advantages"] for i in mb])
     eligible = ~ppo_clip_loss(current, old, advantages, args.clip_eps_low, args.clip_eps_high)[1]
     gathered, offset = gather_ranks(torch.stack([current, advantages, eligible.float()], dim=1))
     cov = token_covariance(gathered[:, 0], gathered[:, 1])
     bounds = (args.clip_cov_ratio, args.clip_cov_lb, args.clip_cov_ub)
     selected = clip_cov_select(cov, gathered[:, 2].bool(), *bounds, generator)
     return cov[offset : offset + len(current)].split(sizes), selected[offset : offset + len(current)].split(sizes)
+
+
+def selection_generator(args, step: int, epoch: int, m: int, rank: int) -> torch.Generator:
+    """The seeded generator of mini-batch m's draw: the same on every rank (global scope), per rank in the
+    reference's microbatch scope; a pure function of the step, so resume needs no state."""
+    draw = np.random.default_rng([args.seed, step, epoch, m, rank * (args.cov_scope == "microbatch")])
+    return torch.Generator().manual_seed(int(draw.integers(2**62)))
+
+
+def clip_cov_metrics(g: dict, num_epochs: int, selection_time: float) -> dict:
+    """Clip-Cov's metrics from the step's sums over ranks (every token is in one mini-batch per epoch)."""
+    considered = g["tokens"] * num_epochs
+    return {
+        "cov/mean": g["cov"] / considered,
+        "cov/selected_frac": g["selected"] / considered,
+        "cov/selected_mean": g["selected_cov"] / max(g["selected"], 1),
+        "cov/clipped_frac": g["dropped"] / considered,  # no gradient: PPO-clipped or Clip-Cov-selected
+        "time/cov_selection": selection_time,
+    }
 
 
 class _LogprobEntropy(torch.autograd.Function):
@@ -431,9 +451,8 @@ def generate(args, sampler, policy, tokenizer, prompts: list, seeds: list, n: in
 
 
 def evaluate(args, sampler, policy, tokenizer, eval_data: list, logprobs, group=None) -> dict:
-    """Held-out metrics (utils.run.eval_metrics): greedy accuracy; with --eval-samples n, also n samples per prompt at
-    the training temperature (seeded by the prompt's position only: every evaluation and every run draws the same
-    way), their mean accuracy, pass@k and entropy (computed by the policy)."""
+    """Held-out greedy accuracy; with --eval-samples n also n samples per prompt at the training temperature (seeded by
+    the prompt's position: the same draw each time), their mean accuracy, pass@k, entropy (utils.run.eval_metrics)."""
     rank, world_size, n, device = dist.get_rank(), dist.get_world_size(), args.eval_samples, policy.device
     prompts, answers = [p for p, _ in eval_data[rank::world_size]], [a for _, a in eval_data[rank::world_size]]
     greedy = generate(args, sampler, policy, tokenizer, prompts, [0] * len(prompts), 1, True, group)
@@ -457,6 +476,7 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     rank, local_rank, world_size, device, on_gpu = run.init_distributed()
     validate_args(args, world_size)
+    check_model(args)  # the model loads and the context fits it
     args.world_size, args.git_commit = world_size, run.git_commit()
     run_dir, resumed = run.open_run(args, world_size, device)  # resume continues the run directory of its checkpoint
 
@@ -486,7 +506,7 @@ if __name__ == "__main__":
     # method_state: what a method carries across steps (saved in checkpoints)
     start_step, method_state = 0, {}
     if resumed:
-        start_step, method_state = run.load_checkpoint(policy, resumed, rank)
+        start_step, method_state = checkpoints.load(policy, resumed, rank)
     # ZeRO-3 gathers weights per call, so every rank calls the head equally often (bounded by the longest batch)
     calls = math.ceil(mbs * args.max_response_length / args.logprob_chunk_size) if args.zero_stage == 3 else None
 
@@ -552,15 +572,12 @@ if __name__ == "__main__":
                 mb_lengths = torch.cat([batches[i]["lengths"] for i in mb])
                 totals = run.all_reduce_sums({"tokens": mb_lengths.sum().item(), "seqs": len(mb_lengths)}, device)
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
-                # Clip-Cov: the same seeded draw on every rank (global scope); per rank in the reference's (microbatch)
-                draw = np.random.default_rng([args.seed, step, epoch, m, rank * (args.cov_scope == "microbatch")])
-                generator = torch.Generator().manual_seed(int(draw.integers(2**62)))
+                generator = selection_generator(args, step, epoch, m, rank)  # Clip-Cov: this mini-batch's draw
                 if args.cov_scope == "global":  # one selection over the mini-batch of all ranks, before its updates
                     t1 = time.time()
                     with torch.no_grad():  # the current log-probs; before the first update, the sampling ones
                         current = [old_logps[i] if epoch == m == 0 else logprobs(policy, batches[i])[0] for i in mb]
-                    mb_old, mb_adv = [old_logps[i] for i in mb], [batches[i]["advantages"] for i in mb]
-                    mb_cov, mb_selected = clip_cov_global_selection(current, mb_old, mb_adv, args, generator)
+                    mb_cov, mb_selected = clip_cov_global_selection(current, old_logps, batches, mb, args, generator)
                     selection_time += time.time() - t1
                 for i in mb:
                     batch = batches[i]
@@ -651,12 +668,7 @@ if __name__ == "__main__":
             metrics["rollout/vllm_logprob_gap"] = g["gap"] / g["tokens"]
         if ref_policy is not None:
             metrics["losses/ref_kl"] = g["ref_kl"] / updates_per_step
-        considered = g["tokens"] * args.num_epochs  # every token is in one mini-batch per epoch
-        metrics["cov/mean"] = g["cov"] / considered
-        metrics["cov/selected_frac"] = g["selected"] / considered
-        metrics["cov/selected_mean"] = g["selected_cov"] / max(g["selected"], 1)
-        metrics["cov/clipped_frac"] = g["dropped"] / considered  # no gradient: PPO-clipped or Clip-Cov-selected
-        metrics["time/cov_selection"] = selection_time
+        metrics.update(clip_cov_metrics(g, args.num_epochs, selection_time))
         tracker.log(metrics, step + 1)
         progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", entropy=f"{metrics['entropy/full']:.3f}")
 
@@ -664,7 +676,7 @@ if __name__ == "__main__":
         if bad_steps >= args.max_bad_steps:  # every rank agrees: the skip decision is global
             raise SystemExit(
                 f"error: {bad_steps} consecutive steps had a non-finite gradient (updates skipped, weights "
-                f"still finite); newest checkpoint: {run.latest_checkpoint(run_dir)}; metrics: {tracker.path}"
+                f"still finite); newest checkpoint: {checkpoints.latest(run_dir)}; metrics: {tracker.path}"
             )
         done = step + 1 == args.total_steps
         if eval_data and args.eval_every and ((step + 1) % args.eval_every == 0 or done):
@@ -672,7 +684,7 @@ if __name__ == "__main__":
         trim_heap()
         stopping = stop.agreed(device)  # a signal to any rank stops them all
         if (args.save_every and (step + 1) % args.save_every == 0) or done or stopping:
-            run.save_checkpoint(policy, run_dir, step + 1, method_state, args, rank)
+            checkpoints.save(policy, run_dir, step + 1, method_state, args, rank, final=done or stopping)
         if stopping:
             break
 

@@ -25,8 +25,8 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from utils import run
-from utils.data import load_tokenizer, step_prompt_indices, tokenized_prompts
+from utils import checkpoints, run
+from utils.data import check_model, load_tokenizer, step_prompt_indices, tokenized_prompts
 from utils.reward import grade
 
 
@@ -252,16 +252,29 @@ def gather_ranks(x: torch.Tensor):
     return torch.cat([p[:n] for p, n in zip(parts, sizes)]), sum(sizes[: dist.get_rank()])
 
 
-def kl_cov_global_selection(current: list, advantages: list, ratio: float):
+def kl_cov_global_selection(current: list, batches: list, mb: range, ratio: float):
     """--cov-scope global: covariances against the means of the whole optimizer mini-batch of all ranks, and the top
-    k of all of them selected; given the current log-probs and advantages of this rank's micro-batches (one flat
-    tensor each), their (covariances, selection masks)."""
+    k of all of them selected; given the current log-probs of this rank's micro-batches `batches[i] for i in mb` (one
+    flat tensor each), their (covariances, selection masks)."""
+    advantages = [batches[i]["advantages"] for i in mb]
     local = torch.stack([torch.cat(current), torch.cat(advantages)], dim=1)
     gathered, offset = gather_ranks(local)
     cov = token_covariance(gathered[:, 0], gathered[:, 1])
     selected = kl_cov_select(cov, ratio)
     sizes = [len(x) for x in current]
     return cov[offset : offset + len(local)].split(sizes), selected[offset : offset + len(local)].split(sizes)
+
+
+def kl_cov_metrics(g: dict, num_epochs: int, selection_time: float) -> dict:
+    """KL-Cov's metrics from the step's sums over ranks (every token is in one mini-batch per epoch)."""
+    considered, selected = g["tokens"] * num_epochs, max(g["selected"], 1)
+    return {
+        "cov/mean": g["cov"] / considered,
+        "cov/selected_frac": g["selected"] / considered,
+        "cov/selected_mean": g["selected_cov"] / selected,
+        "cov/kl_selected": g["kl_selected"] / selected,  # mean |logp - old_logp| penalised
+        "time/cov_selection": selection_time,
+    }
 
 
 class _LogprobEntropy(torch.autograd.Function):
@@ -432,9 +445,8 @@ def generate(args, sampler, policy, tokenizer, prompts: list, seeds: list, n: in
 
 
 def evaluate(args, sampler, policy, tokenizer, eval_data: list, logprobs, group=None) -> dict:
-    """Held-out metrics (utils.run.eval_metrics): greedy accuracy; with --eval-samples n, also n samples per prompt at
-    the training temperature (seeded by the prompt's position only: every evaluation and every run draws the same
-    way), their mean accuracy, pass@k and entropy (computed by the policy)."""
+    """Held-out greedy accuracy; with --eval-samples n also n samples per prompt at the training temperature (seeded by
+    the prompt's position: the same draw each time), their mean accuracy, pass@k, entropy (utils.run.eval_metrics)."""
     rank, world_size, n, device = dist.get_rank(), dist.get_world_size(), args.eval_samples, policy.device
     prompts, answers = [p for p, _ in eval_data[rank::world_size]], [a for _, a in eval_data[rank::world_size]]
     greedy = generate(args, sampler, policy, tokenizer, prompts, [0] * len(prompts), 1, True, group)
@@ -458,6 +470,7 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     rank, local_rank, world_size, device, on_gpu = run.init_distributed()
     validate_args(args, world_size)
+    check_model(args)  # the model loads and the context fits it
     args.world_size, args.git_commit = world_size, run.git_commit()
     run_dir, resumed = run.open_run(args, world_size, device)  # resume continues the run directory of its checkpoint
 
@@ -486,7 +499,7 @@ if __name__ == "__main__":
     # method_state: what a method carries across steps (saved in checkpoints)
     start_step, method_state = 0, {}
     if resumed:
-        start_step, method_state = run.load_checkpoint(policy, resumed, rank)
+        start_step, method_state = checkpoints.load(policy, resumed, rank)
     # ZeRO-3 gathers weights per call, so every rank calls the head equally often (bounded by the longest batch)
     calls = math.ceil(mbs * args.max_response_length / args.logprob_chunk_size) if args.zero_stage == 3 else None
 
@@ -558,8 +571,7 @@ if __name__ == "__main__":
                     t1 = time.time()
                     with torch.no_grad():  # the current log-probs; before the first update, the sampling ones
                         current = [old_logps[i] if epoch == m == 0 else logprobs(policy, batches[i])[0] for i in mb]
-                    mb_adv = [batches[i]["advantages"] for i in mb]
-                    mb_cov, mb_selected = kl_cov_global_selection(current, mb_adv, args.kl_cov_ratio)
+                    mb_cov, mb_selected = kl_cov_global_selection(current, batches, mb, args.kl_cov_ratio)
                     selection_time += time.time() - t1
                 for i in mb:
                     batch = batches[i]
@@ -649,12 +661,7 @@ if __name__ == "__main__":
             metrics["rollout/vllm_logprob_gap"] = g["gap"] / g["tokens"]
         if ref_policy is not None:
             metrics["losses/ref_kl"] = g["ref_kl"] / updates_per_step
-        considered = g["tokens"] * args.num_epochs  # every token is in one mini-batch per epoch
-        metrics["cov/mean"] = g["cov"] / considered
-        metrics["cov/selected_frac"] = g["selected"] / considered
-        metrics["cov/selected_mean"] = g["selected_cov"] / max(g["selected"], 1)
-        metrics["cov/kl_selected"] = g["kl_selected"] / max(g["selected"], 1)  # mean |logp - old_logp| penalised
-        metrics["time/cov_selection"] = selection_time
+        metrics.update(kl_cov_metrics(g, args.num_epochs, selection_time))
         tracker.log(metrics, step + 1)
         progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", entropy=f"{metrics['entropy/full']:.3f}")
 
@@ -662,7 +669,7 @@ if __name__ == "__main__":
         if bad_steps >= args.max_bad_steps:  # every rank agrees: the skip decision is global
             raise SystemExit(
                 f"error: {bad_steps} consecutive steps had a non-finite gradient (updates skipped, weights "
-                f"still finite); newest checkpoint: {run.latest_checkpoint(run_dir)}; metrics: {tracker.path}"
+                f"still finite); newest checkpoint: {checkpoints.latest(run_dir)}; metrics: {tracker.path}"
             )
         done = step + 1 == args.total_steps
         if eval_data and args.eval_every and ((step + 1) % args.eval_every == 0 or done):
@@ -670,7 +677,7 @@ if __name__ == "__main__":
         trim_heap()
         stopping = stop.agreed(device)  # a signal to any rank stops them all
         if (args.save_every and (step + 1) % args.save_every == 0) or done or stopping:
-            run.save_checkpoint(policy, run_dir, step + 1, method_state, args, rank)
+            checkpoints.save(policy, run_dir, step + 1, method_state, args, rank, final=done or stopping)
         if stopping:
             break
 

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python benchmarks/eval.py` must find utils/ and grpo_vanilla.py
     sys.path.insert(0, ROOT)
 
-from utils.data import format_prompt, load_problems  # noqa: E402
+from utils.data import check_model, format_prompt, load_problems  # noqa: E402
 from utils.reward import grade, last_boxed  # noqa: E402
 
 DATA_DIR = os.path.join(ROOT, "benchmarks", "data")
@@ -373,6 +373,7 @@ if __name__ == "__main__":
         with open(settings_path, "w") as f:
             json.dump(sample_settings(args), f, indent=2)
 
+    check_model(args)  # the model loads and the context fits it, before anything else loads
     import math_verify  # noqa: F401  # imported here: grade() would count this ~1 s import against its first answer
     import torch
     from tqdm import tqdm

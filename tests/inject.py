@@ -7,8 +7,11 @@ Faults, at the n-th call (from 1; "<n>+": that call and every later one) on `ran
     kill-generate  SIGKILL when generation starts (vLLM's LLM.generate, or HF generate with --no-use-vllm)
     kill-step      SIGKILL in an optimizer step (DeepSpeedEngine.step at a gradient-accumulation boundary)
     kill-save      SIGKILL in a checkpoint write (after the engine state, before the RNG state and the rename)
+    disk-full      a checkpoint's engine-state file is cut at 1000 bytes and its torch.save raises ENOSPC (the disk
+                   filling during a checkpoint write)
 """
 
+import errno
 import os
 import runpy
 import signal
@@ -33,6 +36,13 @@ def patch(owner, name, fault, n, rank, every, when=lambda *a, **k: True):
 
 def kill(args, kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def disk_full(args, kwargs):
+    obj, path, *_ = args
+    with open(path, "wb") as f:
+        f.write(b"\0" * 1000)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
 def nan_loss(args, kwargs):
@@ -61,6 +71,10 @@ if __name__ == "__main__":
         import torch
 
         patch(torch, "save", kill, n, rank, every, when=lambda obj, path, *a, **k: "rng_rank" in str(path))
+    elif fault == "disk-full":
+        import torch
+
+        patch(torch, "save", disk_full, n, rank, every, when=lambda obj, path, *a, **k: "_states.pt" in str(path))
     elif fault == "kill-generate":
         if "--no-use-vllm" in sys.argv:
             from transformers.generation.utils import GenerationMixin as owner

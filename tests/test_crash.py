@@ -3,6 +3,7 @@ trajectory; resume refuses changed settings. The real scripts on the CPU testbed
 library calls by tests/inject.py.
 """
 
+import os
 import shutil
 import signal
 
@@ -98,3 +99,24 @@ def test_resume_refuses_changed_training_settings(testbed, straight, tmp_path):
         nproc=0,
     )
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4, 5]
+
+
+def test_damaged_newest_checkpoint_resumes_from_the_older_intact_one(testbed, straight, tmp_path):
+    """The newest checkpoint's model file cut to 1000 bytes (a failing disk, a partial copy): detected by its recorded
+    size and sha256 before anything loads, named in a warning; the run resumes from the older checkpoint and follows
+    the uninterrupted run's trajectory. With every checkpoint damaged: one line."""
+    path = shutil.copytree(straight("grpo_vanilla.py"), tmp_path / "run")
+    damaged = os.path.join(path, "checkpoints", "step_0000004", "state", "mp_rank_00_model_states.pt")
+    os.truncate(damaged, 1000)
+    proc = run_script("grpo_vanilla.py", fault_flags(testbed, "grpo_vanilla.py", resume=path), tmp_path / "a", nproc=0)
+    assert "warning: checkpoint" in proc.stderr and "step_0000004 is damaged" in proc.stderr, proc.stderr[-2000:]
+    assert "state/mp_rank_00_model_states.pt has 1000 bytes" in proc.stderr, proc.stderr[-2000:]
+    assert checkpoints(path) == ["step_0000003", "step_0000004"]
+    assert_same_run(straight("grpo_vanilla.py"), path)
+    for step in (3, 4):
+        os.truncate(os.path.join(path, "checkpoints", f"step_{step:07d}", "rng_rank0.pt"), 10)
+    proc = run_script(
+        "grpo_vanilla.py", fault_flags(testbed, "grpo_vanilla.py", resume=path), tmp_path / "b", nproc=0, check=False
+    )
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and last.startswith("error: --resume") and "every checkpoint is damaged" in last, last

@@ -134,3 +134,17 @@ def test_single_update_reads_old_logprobs_from_the_training_forward(testbed, tmp
         assert a["rollout/vllm_logprob_gap"] < 1e-3 and a["entropy/full"] > 0
     wa, wb = final_weights(run_dir(tmp_path / "fold")), final_weights(run_dir(tmp_path / "pass"))
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+@pytest.mark.parametrize("use_vllm", [True, False])
+def test_context_longer_than_the_model_is_one_clear_line(testbed, tmp_path, use_vllm):
+    """Prompt + response over the model's positions (the testbed's: 512): refused at start, naming both flags."""
+    flags = {"max-prompt-length": 600, "max-response-length": 16, **({} if use_vllm else {"no-use-vllm": True})}
+    proc = run_script("grpo_vanilla.py", script_flags(testbed, **flags), tmp_path, nproc=0, timeout=120, check=False)
+    _one_line_error(proc, "--max-prompt-length 600", "--max-response-length 16", "616", "max_position_embeddings (512)")
+
+
+def test_missing_model_is_one_clear_line(testbed, tmp_path):
+    flags = {"model-name-or-path": "/nonexistent/model"}
+    proc = run_script("grpo_aent.py", script_flags(testbed, **flags), tmp_path, nproc=0, timeout=120, check=False)
+    _one_line_error(proc, "/nonexistent/model", "no such local directory", "not a valid hub id")

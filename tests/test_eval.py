@@ -227,6 +227,14 @@ def test_bad_input_is_one_line(testbed, tmp_path, flags):
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
+def test_context_longer_than_the_model_is_one_line_naming_the_flags(testbed, tmp_path):
+    flags = ["--max-prompt-length", "600", "--max-response-length", "16"]
+    proc = run_eval(["--model-name-or-path", testbed.model_dir, "--output-dir", str(tmp_path), *flags], check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and last.startswith("error: --max-prompt-length 600 + --max-response-length 16"), last
+    assert "max_position_embeddings (512)" in last
+
+
 def test_pass_at_k_is_the_unbiased_estimator():
     for n in (1, 4, 7):
         for c in range(n + 1):

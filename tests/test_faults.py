@@ -130,3 +130,38 @@ def test_slow_rewards_and_bad_rows_are_counted_never_hang(testbed, tmp_path):
     (row,) = read_metrics(run_dir(tmp_path / "out"))
     assert row["rollout/reward"] == 0 and row["rollout/reward_failures"] >= 6  # 8 samples; one may lack a \boxed{}
     assert row["time/step"] < 8 * 1.5 * 3 and time.time() - start < 240  # 1.5 CPU-s per answer, a busy machine
+
+
+def test_disk_full_during_a_periodic_checkpoint_warns_and_training_goes_on(testbed, tmp_path):
+    """ENOSPC in rank 0's write of step 2's engine state (2 ranks: rank 1 is waiting in DeepSpeed's closing barrier):
+    a warning naming the cause, no partial directory left, training goes on, the later checkpoints are written."""
+    proc = run_script(
+        "grpo_vanilla.py", fault_flags(testbed, "grpo_vanilla.py"), tmp_path, nproc=2, fault="disk-full:3:0"
+    )
+    assert "warning: checkpoint of step 2 not written: no space left on the device" in proc.stderr, proc.stderr[-3000:]
+    path = run_dir(tmp_path)
+    assert checkpoints(path) == ["step_0000003", "step_0000004"] and os.path.exists(os.path.join(path, "final"))
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4]
+
+
+def test_disk_too_small_for_any_checkpoint_is_a_warning_then_one_line(testbed, tmp_path):
+    """--output-dir on a real 4 MB tmpfs, too small for the testbed's ~6 MB checkpoint: each periodic checkpoint is
+    skipped with a warning (free and needed space named), the final one is a one-line error; nothing partial is left."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        flags = script_flags(testbed, **{"total-steps": 2, "save-every": 1, "no-use-vllm": True})
+        proc = run_script("grpo_vanilla.py", flags, mount, nproc=0, check=False)
+        path = run_dir(mount)
+        listed = sorted(os.listdir(os.path.join(path, "checkpoints")))
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and lines[-1].startswith("error: checkpoint of step 2 not written: not enough free"), (
+        lines[-3:]
+    )
+    assert "needs ~" in lines[-1] and "newest complete checkpoint: none yet" in lines[-1]
+    assert "warning: checkpoint of step 1 not written: not enough free space" in proc.stderr
+    assert listed == []

@@ -134,6 +134,29 @@ def load_problems(
     return rows
 
 
+def check_model(args) -> None:
+    """Before anything loads: --model-name-or-path is a model directory or a hub id whose config loads, and the
+    context (--max-prompt-length + --max-response-length) fits the model's max_position_embeddings; else one line."""
+    from transformers import AutoConfig
+
+    name = args.model_name_or_path
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        if os.path.isdir(os.path.expanduser(name)):
+            raise SystemExit(f"error: --model-name-or-path {name}: not a model directory ({str(e).splitlines()[0]})")
+        looks_local = name.startswith(("/", ".", "~")) or name.count("/") > 1
+        why = "not a valid hub id" if looks_local else "no model of that id on the hub, or the hub cannot be reached"
+        raise SystemExit(f"error: --model-name-or-path {name}: no such local directory, and {why}")
+    positions = getattr(config, "max_position_embeddings", None)
+    context = args.max_prompt_length + args.max_response_length
+    if positions is not None and context > positions:
+        raise SystemExit(
+            f"error: --max-prompt-length {args.max_prompt_length} + --max-response-length {args.max_response_length} "
+            f"= {context} tokens exceeds the model's max_position_embeddings ({positions})"
+        )
+
+
 def load_tokenizer(name_or_path: str):
     """The policy's tokenizer, padding with its end-of-sequence token when it has no pad token."""
     from transformers import AutoTokenizer  # lazy: importing this module stays cheap

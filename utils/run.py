@@ -1,8 +1,8 @@
 """Plumbing shared by the four method scripts that knows no method: process setup, the shared flags' checks, the
-DeepSpeed policy and its LR schedule, the HF generate fallback, run naming and resume, atomic checkpoints,
-metrics.jsonl and wandb, the stop signal, heap trimming. The scripts call these explicitly, in the order they run;
-nothing here calls back into a script. One copy here instead of four: a change (e.g. to the DeepSpeed config) reaches
-every method at once."""
+DeepSpeed policy and its LR schedule, the HF generate fallback, run naming and resume (the checkpoints
+themselves: utils/checkpoints.py), evaluation scoring, metrics.jsonl and wandb, the stop signal, heap trimming. The
+scripts call these explicitly, in the order they run; nothing here calls back into a script. One copy here instead of
+four: a change (e.g. to the DeepSpeed config) reaches every method at once."""
 
 import ctypes
 import importlib
@@ -10,20 +10,18 @@ import importlib.metadata
 import json
 import math
 import os
-import random
-import shutil
 import signal
 import subprocess
 import time
 from dataclasses import asdict
 
 import deepspeed
-import numpy as np
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from transformers import AutoModelForCausalLM
 
+from . import checkpoints
 from .reward import grade
 
 # settings that may differ on resume: bookkeeping, and layout/memory choices that leave the trajectory unchanged
@@ -333,30 +331,24 @@ def changed_settings(saved: dict, current: dict) -> list:
     ]
 
 
-def latest_checkpoint(path: str) -> str | None:
-    """The newest complete checkpoint under a run directory, or `path` itself if it is a checkpoint."""
-    if os.path.exists(os.path.join(path, "trainer_state.json")):
-        return path
-    root = os.path.join(path, "checkpoints")
-    done = sorted(d for d in os.listdir(root) if d.startswith("step_")) if os.path.isdir(root) else []
-    return os.path.join(root, done[-1]) if done else None
-
-
 def open_run(args, world_size: int, device):
     """Name the run and find what it resumes: (run directory, checkpoint or None).
 
     A new run is `{output_dir}/{exp_name}__{seed}__{unix time}` (rank 0's clock). `--resume` continues the run
-    directory of its newest complete checkpoint, refusing another world size (ZeRO partitions by it) and changed
-    training settings (unless --resume-allow-changes). The checkpoint is its trainer_state.json plus its "path".
+    directory of its newest intact checkpoint (damaged ones are passed over with a warning), refusing another world
+    size (ZeRO partitions by it) and changed training settings (unless --resume-allow-changes). The checkpoint is its
+    trainer_state.json plus its "path".
     """
     if not args.resume:
         run_time = torch.tensor([int(time.time())], device=device)
         dist.broadcast(run_time, 0)
         args.run_name = f"{args.exp_name}__{args.seed}__{int(run_time.item())}"
         return os.path.join(args.output_dir, args.run_name), None
-    path = latest_checkpoint(args.resume)
-    if path is None:
+    if checkpoints.latest(args.resume) is None:
         raise SystemExit(f"error: --resume {args.resume}: no complete checkpoint found")
+    path = checkpoints.find_intact(args.resume)  # the newest whose files match their checksums
+    if path is None:
+        raise SystemExit(f"error: --resume {args.resume}: every checkpoint is damaged (see the warnings above)")
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
     args.run_name = os.path.basename(run_dir)
     with open(os.path.join(path, "trainer_state.json")) as f:
@@ -374,51 +366,6 @@ def open_run(args, world_size: int, device):
             "(pass --resume-allow-changes to resume anyway)"
         )
     return run_dir, checkpoint
-
-
-def load_checkpoint(engine, checkpoint: dict, rank: int):
-    """Restore the DeepSpeed engine (weights, optimizer, scheduler) and this rank's RNG states; (step, method_state)."""
-    engine.load_checkpoint(checkpoint["path"], tag="state")
-    rng = torch.load(os.path.join(checkpoint["path"], f"rng_rank{rank}.pt"), weights_only=False)
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    return checkpoint["step"], checkpoint["method_state"]
-
-
-def save_checkpoint(engine, run_dir: str, step: int, method_state: dict, args, rank: int) -> None:
-    """Write a checkpoint to a temporary directory, then rename it: a crash never leaves a partial step_* dir.
-
-    Every rank must hold the same step and method state (checked here); older checkpoints are rotated only after
-    the new one is complete.
-    """
-    state = json.dumps({"step": step, "method_state": method_state}, sort_keys=True)
-    states = [None] * dist.get_world_size()
-    dist.all_gather_object(states, state)
-    if len(set(states)) > 1:
-        raise RuntimeError(f"ranks disagree on the training state at step {step}: {sorted(set(states))}")
-    root = os.path.join(run_dir, "checkpoints")
-    final, tmp = os.path.join(root, f"step_{step:07d}"), os.path.join(root, f".tmp_step_{step:07d}")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    engine.save_checkpoint(tmp, tag="state")
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    torch.save({"state": state, **rng}, os.path.join(tmp, f"rng_rank{rank}.pt"))
-    dist.barrier()
-    if rank == 0:
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"step": step, "method_state": method_state, "args": asdict(args)}, f)
-        replaced = os.path.join(root, f".old_step_{step:07d}")
-        shutil.rmtree(replaced, ignore_errors=True)
-        if os.path.exists(final):  # resumed from an older checkpoint: this step is written again
-            os.replace(final, replaced)
-        os.replace(tmp, final)
-        for old in sorted(d for d in os.listdir(root) if d.startswith("step_"))[: -args.keep_checkpoints]:
-            shutil.rmtree(os.path.join(root, old))
-        shutil.rmtree(replaced, ignore_errors=True)
-    dist.barrier()
 
 
 def finish(engine, tokenizer, run_dir: str, args, rank: int, tracker, stopped_at=None) -> None:
