@@ -29,15 +29,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-CPU_ENV = {
-    "DS_ACCELERATOR": "cpu",
-    "OMP_NUM_THREADS": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "WANDB_MODE": "offline",
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+from utils.testbed import CPU_ENV  # noqa: E402
+
 SOAK_FLAGS = {"--save-every": "20", "--keep-checkpoints": "2", "--eval-every": "20", "--eval-num-prompts": "100"}
 FIELDS = ["t", "step", "pid", "ppid", "name", "rss_kb", "anon_kb", "fds", "threads"]
 

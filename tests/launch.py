@@ -10,16 +10,9 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
+from utils.testbed import CPU_ENV
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CPU_ENV = {
-    "DS_ACCELERATOR": "cpu",
-    "OMP_NUM_THREADS": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "WANDB_MODE": "offline",
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
 
 
 def free_port() -> int:

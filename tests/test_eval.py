@@ -17,17 +17,10 @@ import pytest
 from benchmarks.eval import VENDORED, majority_vote, pass_at_k, protocol_output
 from utils.data import load_problems
 from utils.reward import grade, last_boxed
+from utils.testbed import CPU_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {
-    "DS_ACCELERATOR": "cpu",
-    "OMP_NUM_THREADS": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "WANDB_MODE": "disabled",
-}
+ENV = {**CPU_ENV, "WANDB_MODE": "disabled"}
 # 464 + 48 = the testbed's 512 positions (its worked solutions take ~32 tokens): aime24's first prompt (484 tokens) and
 # olympiadbench's first (528) do not fit, the second of each (301, 317 tokens) and every math500 prompt do
 LENGTHS = ["--max-prompt-length", "464", "--max-response-length", "48"]

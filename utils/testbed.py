@@ -51,6 +51,16 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# the environment the scripts, benchmarks and tests run in on a CPU machine (the Makefile's CPU_ENV, less the log level)
+CPU_ENV = {
+    "DS_ACCELERATOR": "cpu",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "WANDB_MODE": "offline",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "testbed")
 PATHS = ((0, 1, 2), (0, 2, 1), (1, 2, 0))
 """The three solution paths: (first, second, third) operand positions; the first two are added first."""
