@@ -16,7 +16,7 @@ if ROOT not in sys.path:  # `python benchmarks/eval.py` must find utils/ and grp
     sys.path.insert(0, ROOT)
 
 from utils.data import check_model, format_prompt, load_problems  # noqa: E402
-from utils.reward import grade, last_boxed  # noqa: E402
+from utils.reward import grade, last_boxed, pass_at_k  # noqa: E402
 
 DATA_DIR = os.path.join(ROOT, "benchmarks", "data")
 VENDORED = ("math500", "aime24", "amc23", "minerva_math", "olympiadbench", "gsm8k")
@@ -156,13 +156,6 @@ def samples_per_problem(args: Args) -> int:
 def problem_seed(seed: int, dataset: str, index: int) -> int:
     """A stable per-problem seed (vLLM seeds sample j with seed + j, so neighbours are spaced apart)."""
     return zlib.crc32(f"{seed}:{dataset}:{index}".encode()) * 1024 % 2**62
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct: 1 - C(n - c, k) / C(n, k) (Chen et al., 2021)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
 def same_answer(a: str, b: str, cache: dict) -> bool:

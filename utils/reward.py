@@ -3,6 +3,7 @@
 import contextlib
 import functools
 import json
+import math
 import os
 import re
 import select
@@ -197,6 +198,12 @@ def grade(response: str, answer: str, timeout: float = TIMEOUT_S) -> tuple[float
 def math_reward(response: str, answer: str, timeout: float = TIMEOUT_S) -> float:
     """1.0 if the response's last \\boxed{} answer is mathematically equal to `answer`, else 0.0. Never raises."""
     return grade(response, answer, timeout)[0]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of the chance that at least one of k samples is right, from n samples with c right (k <= n):
+    1 - C(n - c, k) / C(n, k) (Chen et al. 2021)."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def batch_grade(responses: list[str], answers: list[str], timeout: float = TIMEOUT_S) -> tuple[list[float], list[str]]:

@@ -22,7 +22,7 @@ from deepspeed.accelerator import get_accelerator
 from transformers import AutoModelForCausalLM
 
 from . import checkpoints
-from .reward import grade
+from .reward import grade, pass_at_k
 
 # settings that may differ on resume: bookkeeping, and layout/memory choices that leave the trajectory unchanged
 RESUME_MAY_CHANGE = {
@@ -270,12 +270,6 @@ def keep_vllm_cpu_weights() -> None:
         layer.cpu_linear = torch.nn.functional.linear
 
     vllm_layer_utils.dispatch_cpu_unquantized_gemm = keep_weights
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased estimate of the chance that at least one of k samples is right, from n samples with c right (k <= n):
-    1 - C(n - c, k) / C(n, k) (Chen et al. 2021)."""
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def eval_metrics(

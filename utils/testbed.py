@@ -339,7 +339,7 @@ def measure(
     import torch
 
     from utils.data import format_prompt
-    from utils.reward import last_boxed
+    from utils.reward import last_boxed, pass_at_k
 
     model.eval()
     n = max(n_samples, 1)
@@ -385,9 +385,7 @@ def measure(
     }
     if n_samples:
         ks = sorted({min(2**i, n) for i in range(n.bit_length() + 1)})
-        stats["pass@k"] = {
-            k: sum(1 - math.comb(n - c, k) / math.comb(n, k) for c in per_prompt) / len(per_prompt) for k in ks
-        }
+        stats["pass@k"] = {k: sum(pass_at_k(n, c, k) for c in per_prompt) / len(per_prompt) for k in ks}
     if n_samples >= 8:
         groups = [correct[i : i + 8] for i in range(0, len(correct), n)]
         stats["all_equal_groups_of_8"] = sum(len(set(g)) == 1 for g in groups) / len(groups)
