@@ -386,7 +386,8 @@ if __name__ == "__main__":
     problems = {}  # name -> [(problem row, prompt token ids)], prompts exactly as in training
     for name, rows in rows_of.items():
         prompts = [
-            tokenizer(format_prompt(p["problem"], tokenizer), add_special_tokens=False)["input_ids"] for p in rows
+            tokenizer(format_prompt(p.get("messages", p["problem"]), tokenizer), add_special_tokens=False)["input_ids"]
+            for p in rows
         ]
         problems[name] = list(zip(rows, prompts))
 

@@ -135,3 +135,88 @@ def test_import_is_cheap():
     code = "import sys, utils.data; print(any(m in sys.modules for m in ('datasets', 'math_verify', 'torch')))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+# ---- the ecosystem's formats: verl's parquet (chat-message prompt, reward_model.ground_truth, data_source) and TRL's
+# conversational rows (chat-message prompt, solution), built here in exactly those layouts ----
+def chat(content, system=None):
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+
+
+def write_verl_parquet(path, rows):
+    """verl's examples/data_preprocess layout: nested structs and lists, written with pyarrow."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def verl_row(problem, answer, source="testbed", prompt=None):
+    return {
+        "data_source": source,
+        "prompt": prompt if prompt is not None else chat(problem),
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": "train", "index": 0},
+    }
+
+
+def test_verl_parquet_loads_without_field_flags_and_counts_malformed_rows(tmp_path):
+    rows = [verl_row("What is 1 + 2?", "3", "GSM8k"), verl_row("What is 2 + 2?", "4", "AMC23")]
+    rows.append(verl_row("no user turn", "5", prompt=[{"role": "system", "content": "be brief"}]))
+    rows.append(verl_row("no ground truth", None))
+    rows.append(verl_row("What is 3 + 3?", "6", prompt=chat("What is 3 + 3?", system="You are a careful solver.")))
+    path = write_verl_parquet(tmp_path / "train.parquet", rows)
+    with pytest.warns(UserWarning, match="skipped 2 of 5 rows"):
+        problems = load_problems(path)
+    assert [(p["problem"], p["answer"], p["data_source"], p["index"]) for p in problems] == [
+        ("What is 1 + 2?", "3", "GSM8k", 0),
+        ("What is 2 + 2?", "4", "AMC23", 1),
+        ("What is 3 + 3?", "6", "testbed", 4),
+    ]
+    assert problems[2]["messages"] == chat("What is 3 + 3?", system="You are a careful solver.")  # kept as given
+    named = load_problems(path, question_field="prompt", answer_field="reward_model.ground_truth")
+    assert [p["answer"] for p in named] == ["3", "4", "6"]
+    with pytest.raises(ValueError, match="no answer field 'rewards.ground_truth'"):
+        load_problems(path, answer_field="rewards.ground_truth")
+
+
+def test_verl_parquet_with_a_plain_string_prompt(tmp_path):
+    path = write_verl_parquet(tmp_path / "t.parquet", [verl_row(None, "7", prompt="What is 3 + 4?")])
+    assert [(p["problem"], p["answer"], "messages" in p) for p in load_problems(path)] == [
+        ("What is 3 + 4?", "7", False)
+    ]
+
+
+def test_trl_conversational_jsonl(tmp_path):
+    rows = [{"prompt": chat("What is 5 + 5?"), "solution": "10"}, {"prompt": chat("What is 1 + 1?"), "solution": "2"}]
+    rows.append({"prompt": [{"role": "assistant", "content": "hi"}], "solution": "3"})  # no user turn: skipped
+    with pytest.warns(UserWarning, match="skipped 1 of 3 rows"):
+        problems = load_problems(write_jsonl(tmp_path / "trl.jsonl", rows))
+    assert [(p["problem"], p["answer"], p["messages"]) for p in problems] == [
+        ("What is 5 + 5?", "10", chat("What is 5 + 5?")),
+        ("What is 1 + 1?", "2", chat("What is 1 + 1?")),
+    ]
+
+
+def test_verl_file_gives_the_same_prompts_as_the_plain_jsonl(testbed, tmp_path):
+    """The testbed's problems as verl rows (the instruction in the user turn, as verl's preprocessing writes it):
+    the same problems, answers and prompt tokens as the plain jsonl, whose instruction is appended by format_prompt."""
+    from types import SimpleNamespace
+
+    from utils.data import INSTRUCTION, load_tokenizer, tokenized_prompts
+
+    plain = load_problems(testbed.test_file)[:50]
+    path = write_verl_parquet(
+        tmp_path / "test.parquet",
+        [verl_row(None, p["answer"], prompt=chat(f"{p['problem']}\n{INSTRUCTION}")) for p in plain],
+    )
+    verl = load_problems(path)
+    assert [p["answer"] for p in verl] == [p["answer"] for p in plain]
+    assert [p["problem"] for p in verl] == [f"{p['problem']}\n{INSTRUCTION}" for p in plain]
+    tokenizer = load_tokenizer(testbed.model_dir)
+    args = SimpleNamespace(question_field=None, answer_field=None, max_prompt_length=128)
+    assert tokenized_prompts(path, None, tokenizer, args) == tokenized_prompts(
+        testbed.test_file, None, tokenizer, args, 50
+    )

@@ -148,3 +148,32 @@ def test_missing_model_is_one_clear_line(testbed, tmp_path):
     flags = {"model-name-or-path": "/nonexistent/model"}
     proc = run_script("grpo_aent.py", script_flags(testbed, **flags), tmp_path, nproc=0, timeout=120, check=False)
     _one_line_error(proc, "/nonexistent/model", "no such local directory", "not a valid hub id")
+
+
+def test_verl_parquet_and_trl_conversational_files_train_and_evaluate_without_field_flags(testbed, tmp_path):
+    """The ecosystem's layouts as they ship: verl's parquet (chat-message prompt, reward_model.ground_truth,
+    data_source) to train on, a TRL conversational jsonl (chat-message prompt, solution) to evaluate on."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from utils.data import INSTRUCTION, load_problems
+
+    def chat(p):
+        return [{"role": "user", "content": f"{p['problem']}\n{INSTRUCTION}"}]
+
+    train = [
+        {"data_source": "testbed", "prompt": chat(p), "reward_model": {"style": "rule", "ground_truth": p["answer"]}}
+        for p in load_problems(testbed.train_file)[:64]
+    ]
+    pq.write_table(pa.Table.from_pylist(train), tmp_path / "train.parquet")
+    (tmp_path / "test.jsonl").write_text(
+        "".join(
+            json.dumps({"prompt": chat(p), "solution": p["answer"]}) + "\n"
+            for p in load_problems(testbed.test_file)[:16]
+        )
+    )
+    flags = {"dataset": tmp_path / "train.parquet", "eval-dataset": tmp_path / "test.jsonl", "eval-every": 2}
+    run_script("grpo_vanilla.py", script_flags(testbed, **{**flags, "no-use-vllm": True}), tmp_path / "out")
+    rows = read_metrics(run_dir(tmp_path / "out"))
+    assert [r["step"] for r in rows if "eval/acc" in r] == [0, 2] and rows[0]["eval/acc"] > 0
+    assert [r["step"] for r in rows if "rollout/reward" in r] == [1, 2]

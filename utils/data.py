@@ -12,19 +12,21 @@ from .reward import last_boxed
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
-def format_prompt(problem: str, tokenizer) -> str:
-    """The prompt text for one problem: the chat template when the tokenizer has one, else a plain Q/A frame."""
-    content = f"{problem}\n{INSTRUCTION}"
+def format_prompt(problem: str | list, tokenizer) -> str:
+    """The prompt text for one problem: a plain-text problem with the instruction appended, or a dataset's own chat
+    messages as given ([{"role", "content"}], verl and TRL conversational rows), through the tokenizer's chat template
+    when it has one, else a plain Q/A frame."""
+    messages = problem if isinstance(problem, list) else [{"role": "user", "content": f"{problem}\n{INSTRUCTION}"}]
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": content}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"Question: {content}\nAnswer:"
+    return "\n".join(f"Question: {m['content']}" for m in messages if m["role"] == "user") + "\nAnswer:"
 
 
 QUESTION_FIELDS = ("problem", "question", "prompt")
-"""Columns tried, in order, for the problem text when no question field is named."""
-ANSWER_FIELDS = ("answer", "final_answer")
-"""Columns tried, in order, for the reference answer; failing those, the last \\boxed{} of "solution"."""
+"""Columns tried, in order, for the problem (a text, or chat messages [{"role", "content"}] with a user turn)."""
+ANSWER_FIELDS = ("answer", "final_answer", "reward_model.ground_truth")
+"""Fields tried, in order, for the reference answer ("a.b": key b of the dict in column a, verl's layout); failing
+those, the last \\boxed{} of "solution" (or the whole of a one-line solution, as in TRL's datasets)."""
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 """Local file extensions and the `datasets` builder that reads them."""
 
@@ -62,10 +64,30 @@ def _read(source: str, split: str | None):
 def _pick_field(
     source: str, columns: list[str], kind: str, named: str | None, candidates: tuple[str, ...]
 ) -> str | None:
-    """The column to read: the named one (which must exist) or the first candidate present (None if none is)."""
-    if named is not None and named not in columns:
+    """The field to read: the named one (whose column must exist; "a.b" names key b of column a's dicts) or the
+    first candidate whose column is present (None if none is)."""
+    if named is not None and named.split(".")[0] not in columns:
         raise ValueError(f"dataset {source!r} has no {kind} field {named!r}; columns: {', '.join(columns)}")
-    return named or next((c for c in candidates if c in columns), None)
+    return named or next((c for c in candidates if c.split(".")[0] in columns), None)
+
+
+def _values(ds, field: str) -> list:
+    """Every row's value of a field; "a.b" is key b of column a's dicts (None where a row has no such key)."""
+    column, *keys = field.split(".")
+    values = ds[column]
+    for key in keys:
+        values = [v.get(key) if isinstance(v, dict) else None for v in values]
+    return values
+
+
+def _problem(value) -> str | list:
+    """A problem text, or chat messages with a user turn; "" for anything else (a malformed row, skipped)."""
+    if isinstance(value, str):
+        return value.strip()
+    if isinstance(value, list) and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in value):
+        messages = [{"role": m["role"], "content": m["content"]} for m in value]
+        return messages if any(m["role"] == "user" and m["content"] for m in messages) else ""
+    return ""
 
 
 def normalize_answer(value) -> str:
@@ -98,10 +120,13 @@ def normalize_answer(value) -> str:
 def load_problems(
     source: str, split: str | None = None, question_field: str | None = None, answer_field: str | None = None
 ) -> list[dict]:
-    """[{"problem", "answer", "index"}] from a local .jsonl/.json/.parquet/.csv, a saved dataset folder, or a hub id.
+    """[{"problem", "answer", "index"[, "messages"][, "data_source"]}] from a local .jsonl/.json/.parquet/.csv, a saved
+    dataset folder, or a hub id: plain rows, verl's (a chat-message `prompt`, `reward_model.ground_truth`,
+    `data_source`) and TRL's conversational ones (a chat-message `prompt`, `solution` or `answer`).
 
-    Fields are detected when not named (problem/question/prompt; answer/final_answer/last \\boxed{} of solution), and
-    answers are normalised either way (normalize_answer). `split` picks a hub or saved split (default "train"); a
+    Fields are detected when not named (problem/question/prompt; answer/final_answer/reward_model.ground_truth/last
+    \\boxed{} of solution), and answers are normalised either way (normalize_answer). A chat-message problem keeps its
+    messages, used as the prompt as they are (format_prompt). `split` picks a hub or saved split (default "train"); a
     single local file is its own split. Rows with an empty problem or answer are skipped with one warning; every
     other problem is a one-line ValueError.
     """
@@ -113,23 +138,30 @@ def load_problems(
         raise ValueError(f"dataset {source!r} has no question field (tried {tried}); columns: {', '.join(columns)}")
     a_field = _pick_field(source, columns, "answer", answer_field, ANSWER_FIELDS)
     if a_field is not None:
-        answers = [normalize_answer(a) for a in ds[a_field]]
+        answers = [normalize_answer(a) for a in _values(ds, a_field)]
     elif "solution" in columns:  # e.g. Minerva math: the answer lives only in the worked solution's \boxed{}
         solutions = ["\n".join(s) if isinstance(s, list) else s or "" for s in ds["solution"]]
-        answers = [(last_boxed(s) or "").strip() for s in solutions]
+        one_line = [s.strip() if "\n" not in s.strip() else "" for s in solutions]  # TRL's: the bare answer
+        answers = [(last_boxed(s) or one).strip() for s, one in zip(solutions, one_line)]
     else:
         tried = ", ".join(ANSWER_FIELDS + ("solution",))
         raise ValueError(f"dataset {source!r} has no answer field (tried {tried}); columns: {', '.join(columns)}")
-    problems = [q if isinstance(q, str) else "" for q in ds[q_field]]
-    rows = [
-        {"problem": q, "answer": a, "index": i} for i, (q, a) in enumerate(zip(problems, answers)) if q.strip() and a
-    ]
+    problems = [_problem(q) for q in _values(ds, q_field)]
+    sources = ds["data_source"] if "data_source" in columns else [None] * len(problems)
+    rows = []
+    for i, (q, a, data_source) in enumerate(zip(problems, answers, sources)):
+        if q and a:
+            row = {"problem": q, "answer": a, "index": i} if isinstance(q, str) else {"answer": a, "index": i}
+            if isinstance(q, list):  # chat messages: the problem is the last user turn, the prompt the messages
+                row["problem"], row["messages"] = next(m["content"] for m in reversed(q) if m["role"] == "user"), q
+            rows.append({**row, "data_source": data_source} if data_source else row)
     if not rows:
         fields = f"{q_field!r} and {a_field or 'solution'!r}"
         raise ValueError(f"dataset {source!r} has no row with a non-empty {fields} ({len(problems)} rows)")
     if len(rows) < len(problems):
         skipped = len(problems) - len(rows)
         message = f"dataset {source!r}: skipped {skipped} of {len(problems)} rows with an empty problem or answer"
+        message += " (or a malformed one: chat messages without a user turn, a dict without the answer key)"
         warnings.warn(message, stacklevel=2)
     return rows
 
@@ -175,7 +207,7 @@ def tokenized_prompts(source: str, split: str | None, tokenizer, args, limit: in
         problems = load_problems(source, split, args.question_field, args.answer_field)[:limit]
     except ValueError as e:
         raise SystemExit(f"error: {e}")
-    texts = [format_prompt(p["problem"], tokenizer) for p in problems]
+    texts = [format_prompt(p.get("messages", p["problem"]), tokenizer) for p in problems]
     rows = [(tokenizer(t, add_special_tokens=False)["input_ids"], p["answer"]) for t, p in zip(texts, problems)]
     kept = [r for r in rows if len(r[0]) <= args.max_prompt_length]
     if not kept:
