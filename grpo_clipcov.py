@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from utils import checkpoints, run
-from utils.data import check_model, load_tokenizer, step_prompt_indices, tokenized_prompts
+from utils.data import check_model, eval_prompts, load_tokenizer, step_prompt_indices, tokenized_prompts
 from utils.reward import grade
 
 
@@ -64,12 +64,13 @@ class Args:
     """column holding the problem (default: auto-detect problem/question)"""
     answer_field: str | None = None
     """column holding the reference answer (default: auto-detect answer/final_answer/solution's \\boxed{})"""
-    eval_dataset: str | None = None
-    """held-out prompts for periodic greedy evaluation (hub id or local file); off when unset"""
+    eval_dataset: tuple[str, ...] = ()
+    """held-out prompts for periodic evaluation: hub ids or local files, each a set (or one per data_source its rows
+    name), logged as eval/<set>/... and their mean as eval/...; off when empty"""
     eval_every: int = 10
     """evaluate every this many steps (and after the last one); 0 disables"""
     eval_num_prompts: int = 500
-    """evaluate on at most this many held-out prompts"""
+    """evaluate on at most this many prompts of each held-out set"""
     eval_samples: int = 0
     """besides the greedy answer, sample this many responses per eval prompt at the training temperature: eval/mean_acc,
     eval/pass@k (unbiased estimator, k = 2, 4, 8, ... and this) and eval/entropy; 0: greedy only"""
@@ -454,12 +455,13 @@ def evaluate(args, sampler, policy, tokenizer, eval_data: list, logprobs, group=
     """Held-out greedy accuracy; with --eval-samples n also n samples per prompt at the training temperature (seeded by
     the prompt's position: the same draw each time), their mean accuracy, pass@k, entropy (utils.run.eval_metrics)."""
     rank, world_size, n, device = dist.get_rank(), dist.get_world_size(), args.eval_samples, policy.device
-    prompts, answers = [p for p, _ in eval_data[rank::world_size]], [a for _, a in eval_data[rank::world_size]]
+    shard = eval_data[rank::world_size]
+    prompts = [p for p, _, _ in shard]
     greedy = generate(args, sampler, policy, tokenizer, prompts, [0] * len(prompts), 1, True, group)
     seeds = [(rank + i * world_size) * n for i in range(len(prompts))]  # global position x n
     sampled = generate(args, sampler, policy, tokenizer, prompts, seeds, n, False, group) if n else []
     # the samples' entropy; ZeRO-3 gathers the weights per forward, so every rank calls the model equally often
-    mbs, entropy = args.micro_batch_size, 0.0
+    mbs, entropies = args.micro_batch_size, []  # each sample's summed token entropy
     calls = torch.tensor([math.ceil(len(sampled) / mbs)], device=device)
     dist.all_reduce(calls, op=dist.ReduceOp.MAX)
     with torch.no_grad():
@@ -468,8 +470,8 @@ def evaluate(args, sampler, policy, tokenizer, eval_data: list, logprobs, group=
             seq_prompts = [prompts[k // n] for k in range(s, s + len(chunk))] if chunk else [eval_data[0][0]]
             batch = collate(seq_prompts, chunk or [[tokenizer.eos_token_id]], tokenizer.pad_token_id, device)
             token_entropy = logprobs(policy, batch, with_entropy=True)[1]  # out of samples: a dummy call
-            entropy += token_entropy.sum().item() if chunk else 0.0
-    return run.eval_metrics(tokenizer, answers, greedy, sampled, n, entropy, len(eval_data), device)
+            entropies += [e.sum().item() for e in token_entropy.split(batch["lengths"].tolist())] if chunk else []
+    return run.eval_metrics(tokenizer, shard, greedy, sampled, n, entropies, eval_data, device)
 
 
 if __name__ == "__main__":
@@ -489,9 +491,7 @@ if __name__ == "__main__":
     # data: prompts tokenised once; over-long prompts dropped and counted
     tokenizer = load_tokenizer(args.model_name_or_path)
     train_data, dropped = tokenized_prompts(args.dataset, args.dataset_split, tokenizer, args)
-    eval_data = []
-    if args.eval_dataset:
-        eval_data = tokenized_prompts(args.eval_dataset, None, tokenizer, args, args.eval_num_prompts)[0]
+    eval_data = eval_prompts(args.eval_dataset, tokenizer, args)  # (prompt, answer, set name)
     if rank == 0:
         print(f"{len(train_data)} training prompts ({dropped} dropped: longer than {args.max_prompt_length} tokens)")
 

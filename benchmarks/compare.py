@@ -3,6 +3,7 @@ import glob
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -455,9 +456,18 @@ if __name__ == "__main__":
         {k for r in runs for row in r["rows"] for k in row if k.startswith("eval/pass@")},
         key=lambda k: int(k.split("@")[1]),
     )
+    # several held-out sets (eval/<set>/acc; eval/acc is their mean): each set's greedy accuracy too
+    set_keys = sorted({k for r in runs for row in r["rows"] for k in row if re.fullmatch(r"eval/[^/]+/acc", k)})
     keys = [
         k
-        for k in ("eval/acc", "eval/mean_acc", *pass_keys[-1:], "eval/entropy", E)
+        for k in (
+            "eval/acc",
+            *(set_keys if len(set_keys) > 1 else []),
+            "eval/mean_acc",
+            *pass_keys[-1:],
+            "eval/entropy",
+            E,
+        )
         if any(len(series(r["rows"], k)[0]) for r in runs)
     ]
     window = {k: 1 if k.startswith("eval/") else args.final_window for k in keys}

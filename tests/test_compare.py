@@ -217,3 +217,27 @@ def test_compare_table_gives_intervals_and_differences(tmp_path):
     assert diff.split(" | ")[-1].rstrip(" |").endswith("*")  # entropy 0.4 higher, seed spread 0.01: significant
     final = json.loads((out / "compare.json").read_text())["methods"]["grpo_aent"]
     assert final["minus_baseline"]["entropy/full"][0] == pytest.approx(0.4, abs=0.01)
+
+
+def test_compare_shows_each_held_out_set(tmp_path):
+    """Runs evaluated on several sets (eval/<set>/acc, eval/acc their mean): the interval table has a column per set."""
+    runs = tmp_path / "runs"
+    for method, seed, acc in (("grpo_vanilla", 1, 0.4), ("grpo_vanilla", 2, 0.5), ("grpo_aent", 1, 0.6)):
+        path = write_run(runs, method, seed, 0.2)
+        with open(os.path.join(path, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"step": 40, "eval/acc": acc, "eval/gsm8k/acc": acc + 0.1, "eval/amc23/acc": acc - 0.1}))
+    out = tmp_path / "compare"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/compare.py", "--runs", str(runs / "*"), "--output-dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    header = next(
+        line for line in (out / "compare.md").read_text().splitlines() if line.startswith("| method | seeds |")
+    )
+    assert header.split(" | ")[2:5] == ["eval/acc", "eval/amc23/acc", "eval/gsm8k/acc"], header
+    summary = json.loads((out / "compare.json").read_text())["methods"]
+    assert summary["grpo_vanilla"]["final"]["eval/gsm8k/acc"][0] == pytest.approx(0.55)

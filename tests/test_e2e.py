@@ -172,8 +172,19 @@ def test_verl_parquet_and_trl_conversational_files_train_and_evaluate_without_fi
             for p in load_problems(testbed.test_file)[:16]
         )
     )
-    flags = {"dataset": tmp_path / "train.parquet", "eval-dataset": tmp_path / "test.jsonl", "eval-every": 2}
-    run_script("grpo_vanilla.py", script_flags(testbed, **{**flags, "no-use-vllm": True}), tmp_path / "out")
+    dev = [{**row, "data_source": source} for row, source in zip(train[:24], ["GSM8k", "AMC23"] * 12)]
+    pq.write_table(pa.Table.from_pylist(dev), tmp_path / "dev.parquet")  # verl's dev set: two sources mixed
+    flags = {"dataset": tmp_path / "train.parquet", "eval-every": 2, "eval-num-prompts": 8, "eval-samples": 2}
+    flags["eval-dataset"] = f"{tmp_path / 'test.jsonl'} {tmp_path / 'dev.parquet'}"
+    cmd = script_flags(testbed, **{**flags, "no-use-vllm": True})
+    i = cmd.index("--eval-dataset")
+    cmd[i + 1 : i + 2] = cmd[i + 1].split()  # two sources after one flag
+    run_script("grpo_vanilla.py", cmd, tmp_path / "out")
     rows = read_metrics(run_dir(tmp_path / "out"))
     assert [r["step"] for r in rows if "eval/acc" in r] == [0, 2] and rows[0]["eval/acc"] > 0
     assert [r["step"] for r in rows if "rollout/reward" in r] == [1, 2]
+    first = rows[0]  # one set per file, or per data_source within one: each its own metrics, eval/... their mean
+    for key in ("acc", "mean_acc", "pass@2", "entropy"):
+        per_set = [first[f"eval/{name}/{key}"] for name in ("test", "GSM8k", "AMC23")]
+        assert first[f"eval/{key}"] == pytest.approx(sum(per_set) / 3), key
+    assert not any(k.startswith("eval/dev/") for k in first)

@@ -215,6 +215,34 @@ def tokenized_prompts(source: str, split: str | None, tokenizer, args, limit: in
     return kept, len(rows) - len(kept)
 
 
+def eval_prompts(sources, tokenizer, args) -> list[tuple[list[int], str, str]]:
+    """(prompt token ids, answer, set name) of every held-out problem of `sources`. A set is one file (named by its
+    stem) or, where its rows carry a `data_source` (verl's dev files mix GSM8k and AMC23 rows), one data source; each
+    set is capped at --eval-num-prompts problems, then its prompts over --max-prompt-length dropped."""
+    rows, names = [], set()
+    for source in sources:
+        try:
+            problems = load_problems(source, None, args.question_field, args.answer_field)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}")
+        stem = os.path.splitext(os.path.basename(source.rstrip("/").split(":")[0]))[0]
+        sets, before = {}, len(rows)
+        for p in problems:
+            sets.setdefault(str(p.get("data_source") or stem).replace("/", "_"), []).append(p)
+        for name, members in sets.items():
+            unique = name if name not in names else f"{name}_{len(names)}"  # two files of one stem: both kept
+            names.add(unique)
+            for p in members[: args.eval_num_prompts]:
+                ids = tokenizer(format_prompt(p.get("messages", p["problem"]), tokenizer), add_special_tokens=False)
+                if len(ids["input_ids"]) <= args.max_prompt_length:
+                    rows.append((ids["input_ids"], p["answer"], unique))
+        if len(rows) == before:
+            raise SystemExit(
+                f"error: {source}: every prompt is longer than --max-prompt-length {args.max_prompt_length}"
+            )
+    return rows
+
+
 def step_prompt_indices(step: int, args, n_prompts: int, rank: int, world_size: int) -> list:
     """(global position in the step's batch, dataset index) of this rank's prompts at `step`.
 

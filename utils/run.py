@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import time
+from collections import Counter
 from dataclasses import asdict
 
 import deepspeed
@@ -272,33 +273,50 @@ def keep_vllm_cpu_weights() -> None:
     vllm_layer_utils.dispatch_cpu_unquantized_gemm = keep_weights
 
 
-def eval_metrics(
-    tokenizer, answers: list, greedy: list, sampled: list, n: int, entropy: float, n_prompts: int, device
-) -> dict:
-    """Held-out metrics over all ranks from this rank's Samples: eval/acc and eval/response_length of the greedy
-    answers; with n samples per prompt, eval/mean_acc, eval/pass@k (k = 2, 4, ..., n), eval/entropy (from the summed
-    token entropy `entropy` of the samples) and eval/sampled_response_length."""
+def eval_metrics(tokenizer, shard: list, greedy: list, sampled: list, n: int, entropies: list, eval_data: list, device):
+    """Held-out metrics over all ranks from this rank's Samples of its `shard` of `eval_data` ((prompt, answer, set)
+    rows; every rank passes all of them, for the sets and their sizes); `entropies`: each sample's summed token
+    entropy. Per set eval/<set>/<metric>, and eval/<metric> their mean over the sets: acc and response_length of the
+    greedy answers; with n samples per prompt, mean_acc, pass@k (k = 2, 4, ..., n), entropy, sampled_response_length."""
 
     def reward(ids, answer) -> float:
         return grade(tokenizer.decode(ids, skip_special_tokens=True), answer)[0]
 
+    sizes = Counter(name for _, _, name in eval_data)  # set -> prompts, in first-seen order on every rank
     ks = sorted({min(2**i, n) for i in range(1, n.bit_length() + 1)})  # 2, 4, ..., n
-    sums = {f"pass@{k}": 0.0 for k in ks}
-    sums["correct"] = sum(reward(s.ids, answer) for s, answer in zip(greedy, answers))
-    sums["length"], sums["tokens"] = sum(len(s.ids) for s in greedy), sum(len(s.ids) for s in sampled)
-    sums["entropy"], sums["sampled_correct"] = entropy, 0
-    for i, answer in enumerate(answers if n else []):
-        c = sum(reward(s.ids, answer) == 1 for s in sampled[i * n : (i + 1) * n])
-        sums["sampled_correct"] += c
-        for k in ks:
-            sums[f"pass@{k}"] += pass_at_k(n, c, k)
+    fields = ["correct", "length", "sampled_correct", "tokens", "entropy", *(f"pass@{k}" for k in ks)]
+    sums = {f"{name}|{field}": 0.0 for name in sizes for field in fields}
+    for i, ((_, answer, name), answer_sample) in enumerate(zip(shard, greedy)):
+        sums[f"{name}|correct"] += reward(answer_sample.ids, answer)
+        sums[f"{name}|length"] += len(answer_sample.ids)
+        if n:
+            c = sum(reward(s.ids, answer) == 1 for s in sampled[i * n : (i + 1) * n])
+            sums[f"{name}|sampled_correct"] += c
+            sums[f"{name}|tokens"] += sum(len(s.ids) for s in sampled[i * n : (i + 1) * n])
+            sums[f"{name}|entropy"] += sum(entropies[i * n : (i + 1) * n])
+            for k in ks:
+                sums[f"{name}|pass@{k}"] += pass_at_k(n, c, k)
     totals = all_reduce_sums(sums, device)
-    metrics = {"eval/acc": totals["correct"] / n_prompts, "eval/response_length": totals["length"] / n_prompts}
+    per_set = {}
+    for name, m in sizes.items():
+        t = {field: totals[f"{name}|{field}"] for field in fields}
+        per_set[name] = {"acc": t["correct"] / m, "response_length": t["length"] / m}
+        if n:
+            per_set[name]["mean_acc"] = t["sampled_correct"] / (n * m)
+            per_set[name].update({f"pass@{k}": t[f"pass@{k}"] / m for k in ks})
+            per_set[name]["entropy"] = t["entropy"] / max(t["tokens"], 1)
+            per_set[name]["sampled_response_length"] = t["tokens"] / (n * m)
+
+    def mean(key: str) -> float:
+        return sum(values[key] for values in per_set.values()) / len(per_set)
+
+    metrics = {"eval/acc": mean("acc"), "eval/response_length": mean("response_length")}
     if n:
-        metrics["eval/mean_acc"] = totals["sampled_correct"] / (n * n_prompts)
-        metrics.update({f"eval/pass@{k}": totals[f"pass@{k}"] / n_prompts for k in ks})
-        metrics["eval/entropy"] = totals["entropy"] / max(totals["tokens"], 1)
-        metrics["eval/sampled_response_length"] = totals["tokens"] / (n * n_prompts)
+        metrics["eval/mean_acc"] = mean("mean_acc")
+        metrics.update({f"eval/pass@{k}": mean(f"pass@{k}") for k in ks})
+        metrics["eval/entropy"] = mean("entropy")
+        metrics["eval/sampled_response_length"] = mean("sampled_response_length")
+    metrics.update({f"eval/{name}/{key}": v for name, values in per_set.items() for key, v in values.items()})
     return metrics
 
 
