@@ -500,8 +500,7 @@ if __name__ == "__main__":
     updates_per_step = args.num_mini_batches * args.num_epochs
     separate_pass = updates_per_step > 1 or args.kl_coef > 0  # else the training forward computes the old log-probs
     separate_pass |= args.cov_scope == "global"  # Clip-Cov: the global selection needs every token's log-prob first
-    # micro-batches per optimizer update on each rank
-    grad_accum = args.num_prompts_per_step // (args.num_mini_batches * world_size) * G // mbs
+    grad_accum = args.num_prompts_per_step // (args.num_mini_batches * world_size) * G // mbs  # micro-batches/update
     policy, scheduler, ref_policy = run.make_policy(args, on_gpu, grad_accum, updates_per_step)
     # method_state: what a method carries across steps (saved in checkpoints)
     start_step, method_state = 0, {}
@@ -617,6 +616,7 @@ if __name__ == "__main__":
                     grad_norms.append(float(policy.get_global_grad_norm()))  # already global: the same on every rank
                 else:  # a non-finite gradient on any rank: DeepSpeed skipped this update on every rank
                     skipped += 1
+                    scheduler.step()  # and its schedule, which follows the optimizer calls (the steps) here
         bad_steps = bad_steps + 1 if skipped else 0
         metrics["time/training"] = time.time() - t0
 

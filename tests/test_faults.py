@@ -165,3 +165,15 @@ def test_disk_too_small_for_any_checkpoint_is_a_warning_then_one_line(testbed, t
     assert "needs ~" in lines[-1] and "newest complete checkpoint: none yet" in lines[-1]
     assert "warning: checkpoint of step 1 not written: not enough free space" in proc.stderr
     assert listed == []
+
+
+def test_a_skipped_update_keeps_the_learning_rate_schedule(testbed, tmp_path):
+    """DeepSpeed steps the LR scheduler only on applied updates (engine.py _take_model_step); the scripts step it on a
+    skipped one too, so the warm-up follows the training steps: after a NaN in step 2 the learning rate is the one an
+    uninterrupted run has at every step (5e-4 x (s + 1) / 5 after step s, 4 warm-up steps, 1 update per step)."""
+    flags = {**COMMON, "num-mini-batches": 1, "total-steps": 3, "warmup-steps": 4, "save-every": 0}
+    # 4 backward calls per step (16 sequences, micro-batches of 4): the 5th is step 2's first
+    run_script("grpo_vanilla.py", script_flags(testbed, **flags), tmp_path, nproc=0, fault="nan-loss:5")
+    rows = read_metrics(run_dir(tmp_path))
+    assert [r["losses/skipped_updates"] for r in rows] == [0, 1, 0]
+    assert [r["charts/lr"] for r in rows] == pytest.approx([5e-4 * (s + 1) / 5 for s in (1, 2, 3)])
