@@ -89,7 +89,7 @@ class Args:
     temperature: float = 1.0
     """sampling temperature; log-probs and entropies are computed at this temperature"""
     top_p: float = 1.0
-    """nucleus sampling; keep 1.0 so the samples follow the policy the loss assumes"""
+    """nucleus sampling: must be 1 (checked), the loss's log-probs and entropy are of the full softmax"""
     use_vllm: bool = True
     """generate with a colocated vLLM engine in every rank; `--no-use-vllm` uses HF generate"""
     vllm_gpu_memory_utilization: float = 0.5

@@ -100,6 +100,7 @@ def _one_line_error(proc, *words):
         ({"question-field": "statement"}, ["statement", "problem"]),
         ({"resume": "/nonexistent/run"}, ["--resume", "/nonexistent/run"]),
         ({"max-bad-steps": 0}, ["--max-bad-steps", ">= 1"]),
+        ({"top-p": 0.9}, ["--top-p 0.9", "full softmax"]),
         ({"vllm-tensor-parallel-size": 2}, ["--vllm-tensor-parallel-size (2) must divide the world size (1)"]),
         ({"vllm-tensor-parallel-size": 2, "no-use-vllm": True}, ["--vllm-tensor-parallel-size", "needs vLLM"]),
     ],

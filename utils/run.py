@@ -118,7 +118,11 @@ def check_args(args, world_size: int, method_checks=()) -> None:
         tp >= 1 and world_size % tp == 0,
         f"--vllm-tensor-parallel-size ({tp}) must divide the world size ({world_size})",
     )
-    check(0 < args.top_p <= 1, f"--top-p must be in (0, 1] (got {args.top_p})")
+    check(
+        args.top_p == 1,
+        f"--top-p {args.top_p}: the loss's log-probs and entropy are of the full softmax, so the "
+        "samples must be too; keep 1 (benchmarks/eval.py evaluates with nucleus sampling)",
+    )
     check(args.zero_stage in (2, 3), f"--zero-stage must be 2 or 3 (got {args.zero_stage})")
     check(args.vllm_sleep_level in (0, 1, 2), f"--vllm-sleep-level must be 0, 1 or 2 (got {args.vllm_sleep_level})")
     check(0 < args.vllm_gpu_memory_utilization <= 1, "--vllm-gpu-memory-utilization must be in (0, 1]")
