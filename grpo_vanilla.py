@@ -56,8 +56,8 @@ class Args:
     # Model and data
     model_name_or_path: str = "Qwen/Qwen2.5-Math-1.5B"
     """the policy to train: a hub id or a local HF directory"""
-    dataset: str = "benchmarks/data/math500.jsonl"
-    """training prompts: a hub id or a local .jsonl/.json/.parquet file"""
+    dataset: str = "DigitalLearningGmbH/MATH-lighteval"
+    """training prompts: a hub id or a local .jsonl/.json/.parquet file (default: MATH's 7,500 training problems)"""
     dataset_split: str | None = None
     """split of a hub dataset (default: train)"""
     question_field: str | None = None
@@ -404,7 +404,7 @@ if __name__ == "__main__":
     # data: prompts tokenised once; over-long prompts dropped and counted
     tokenizer = load_tokenizer(args.model_name_or_path)
     train_data, dropped = tokenized_prompts(args.dataset, args.dataset_split, tokenizer, args)
-    eval_data = eval_prompts(args.eval_dataset, tokenizer, args)  # (prompt, answer, set name)
+    eval_data = eval_prompts(args.eval_dataset, tokenizer, args, train_data)  # (prompt, answer, set name)
     if rank == 0:
         print(f"{len(train_data)} training prompts ({dropped} dropped: longer than {args.max_prompt_length} tokens)")
 

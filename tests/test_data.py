@@ -220,3 +220,23 @@ def test_verl_file_gives_the_same_prompts_as_the_plain_jsonl(testbed, tmp_path):
     assert tokenized_prompts(path, None, tokenizer, args) == tokenized_prompts(
         testbed.test_file, None, tokenizer, args, 50
     )
+
+
+def test_eval_prompts_sets_caps_and_the_overlap_warning(testbed, tmp_path):
+    """A set per file, capped per set; held-out prompts that are training prompts are counted in a warning (none
+    between the shipped testbed's train and test files)."""
+    from types import SimpleNamespace
+
+    from utils.data import eval_prompts, load_tokenizer, tokenized_prompts
+
+    tokenizer = load_tokenizer(testbed.model_dir)
+    args = SimpleNamespace(question_field=None, answer_field=None, max_prompt_length=128, eval_num_prompts=10)
+    train = tokenized_prompts(testbed.train_file, None, tokenizer, args)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overlap: no warning
+        rows = eval_prompts([testbed.test_file], tokenizer, args, train)
+    assert len(rows) == 10 and {name for _, _, name in rows} == {"test"}
+    twice = write_jsonl(tmp_path / "again.jsonl", load_problems(testbed.train_file)[:4])
+    with pytest.warns(UserWarning, match="4 of the 14 held-out prompts are also training prompts"):
+        rows = eval_prompts([testbed.test_file, twice], tokenizer, args, train)
+    assert [name for _, _, name in rows].count("again") == 4

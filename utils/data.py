@@ -215,10 +215,11 @@ def tokenized_prompts(source: str, split: str | None, tokenizer, args, limit: in
     return kept, len(rows) - len(kept)
 
 
-def eval_prompts(sources, tokenizer, args) -> list[tuple[list[int], str, str]]:
+def eval_prompts(sources, tokenizer, args, train_data=()) -> list[tuple[list[int], str, str]]:
     """(prompt token ids, answer, set name) of every held-out problem of `sources`. A set is one file (named by its
     stem) or, where its rows carry a `data_source` (verl's dev files mix GSM8k and AMC23 rows), one data source; each
-    set is capped at --eval-num-prompts problems, then its prompts over --max-prompt-length dropped."""
+    set is capped at --eval-num-prompts problems, then its prompts over --max-prompt-length dropped. Held-out prompts
+    that are also training prompts (`train_data`: (prompt ids, answer) rows) are counted in a warning."""
     rows, names = [], set()
     for source in sources:
         try:
@@ -240,6 +241,10 @@ def eval_prompts(sources, tokenizer, args) -> list[tuple[list[int], str, str]]:
             raise SystemExit(
                 f"error: {source}: every prompt is longer than --max-prompt-length {args.max_prompt_length}"
             )
+    trained = {tuple(ids) for ids, _ in train_data}
+    if overlap := sum(tuple(ids) in trained for ids, _, _ in rows):
+        message = f"{overlap} of the {len(rows)} held-out prompts are also training prompts: not a held-out evaluation"
+        warnings.warn(message, stacklevel=2)
     return rows
 
 
