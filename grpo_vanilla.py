@@ -122,6 +122,8 @@ class Args:
     """PPO lower clip: ratio >= 1 - eps_low"""
     clip_eps_high: float = 0.2
     """PPO upper clip: ratio <= 1 + eps_high (DAPO's clip-higher: 0.28)"""
+    clip_ratio_c: float = 0.0
+    """dual clip: where A < 0 the loss is at most -A c (verl's clip_ratio_c, its default 3); 0: PPO's clip alone"""
     kl_coef: float = 0.0
     """coefficient of the k3 KL to the initial policy; 0 (default) does not load a reference model"""
     scale_rewards: bool = True
@@ -170,13 +172,9 @@ def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-
 
 
 def token_weights(lengths: torch.Tensor, loss_agg: str, n_tokens: float, n_seqs: float, max_len: int) -> torch.Tensor:
-    """Weight of each response token so that sum(weight * loss) is the mini-batch loss over all ranks.
-
-    lengths: response lengths of the local sequences; n_tokens, n_seqs: totals of the whole optimizer mini-batch
-    (all ranks), so the objective does not depend on micro-batch size or world size.
-    token-mean: 1 / n_tokens; seq-mean-token-mean: 1 / (len_i * n_seqs); seq-mean-token-sum-norm (Dr. GRPO):
-    1 / (max_len * n_seqs).
-    """
+    """Weight of each response token so that sum(weight * loss) is the loss of the optimizer mini-batch of all ranks
+    (n_tokens, n_seqs: its totals; lengths: the local sequences'): token-mean 1 / n_tokens, seq-mean-token-mean
+    1 / (len_i n_seqs), seq-mean-token-sum-norm (Dr. GRPO) 1 / (max_len n_seqs): independent of the layout."""
     if loss_agg == "token-mean":
         per_seq = torch.full_like(lengths, 1.0 / n_tokens, dtype=torch.float32)
     elif loss_agg == "seq-mean-token-mean":
@@ -188,13 +186,15 @@ def token_weights(lengths: torch.Tensor, loss_agg: str, n_tokens: float, n_seqs:
     return per_seq.repeat_interleave(lengths)
 
 
-def ppo_clip_loss(logp, old_logp, advantages, eps_low: float, eps_high: float):
-    """Per-token PPO-clip loss max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) with r = exp(logp - old_logp), and
-    a mask of the tokens where the clipped branch is active (no gradient flows there)."""
-    ratio = torch.exp(logp - old_logp)
+def ppo_clip_loss(logp, old_logp, advantages, eps_low: float, eps_high: float, clip_c: float = 0.0):
+    """Per-token PPO-clip loss max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old_logp) (log-ratio
+    clamped to +-20 as verl does), with clip_c > 0 capped at -A clip_c where A < 0 (dual clip), and a mask of the
+    tokens where a clipped branch is active (no gradient flows there)."""
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    return torch.maximum(unclipped, clipped), clipped > unclipped
+    loss, cap = torch.maximum(unclipped, clipped), torch.where(advantages < 0, -advantages * clip_c, torch.inf)
+    return (loss.clamp(max=cap), (clipped > unclipped) | (loss > cap)) if clip_c else (loss, clipped > unclipped)
 
 
 class _LogprobEntropy(torch.autograd.Function):
@@ -287,8 +287,7 @@ def collate(prompts: list, responses: list, pad_id: int, device, advantages=None
         response_mask[i, len(p) : len(p) + len(r)] = True
     lengths = torch.tensor([len(r) for r in responses])
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
-    batch = {key: tensor.to(device) for key, tensor in batch.items()}
-    batch["lengths"] = lengths
+    batch = {key: tensor.to(device) for key, tensor in batch.items()} | {"lengths": lengths}
     if advantages is not None:
         batch["advantages"] = advantages.to(device).repeat_interleave(lengths.to(device))
     return batch
@@ -409,7 +408,7 @@ if __name__ == "__main__":
         print(f"{len(train_data)} training prompts ({dropped} dropped: longer than {args.max_prompt_length} tokens)")
 
     # the policy (DeepSpeed engine), the reference policy, the sampler (vLLM engine)
-    G, mbs = args.group_size, args.micro_batch_size
+    G, mbs, clip = args.group_size, args.micro_batch_size, (args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c)
     updates_per_step = args.num_mini_batches * args.num_epochs
     separate_pass = updates_per_step > 1 or args.kl_coef > 0  # else the training forward computes the old log-probs
     grad_accum = args.num_prompts_per_step // (args.num_mini_batches * world_size) * G // mbs  # micro-batches/update
@@ -489,7 +488,7 @@ if __name__ == "__main__":
                         sums["entropy"] += entropy.sum().item()
                     old_logp, adv = old_logps[i], batch["advantages"]
                     weights = token_weights(batch["lengths"], *aggregation).to(device)
-                    token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, args.clip_eps_low, args.clip_eps_high)
+                    token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)
                     if ref_policy is not None:
                         log_ratio = ref_logps[i] - logp
                         ref_kl = torch.exp(log_ratio) - log_ratio - 1  # k3 estimator

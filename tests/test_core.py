@@ -52,6 +52,24 @@ def test_ppo_clip_loss_clips_in_the_direction_of_the_advantage():
     assert clipped.tolist() == [True, False, False, True]
 
 
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    """With clip_c (verl's clip_ratio_c): for A < 0 the loss is min(PPO-clip loss, -A c), with no gradient where the
+    cap binds; A > 0 and clip_c = 0 are PPO-clip as before."""
+    old = torch.zeros(5)
+    logp = torch.log(torch.tensor([5.0, 2.0, 5.0, 0.5, 4.0])).requires_grad_()
+    adv = torch.tensor([-1.0, -1.0, 1.0, -2.0, -0.5])
+    loss, clipped = gv.ppo_clip_loss(logp, old, adv, 0.2, 0.2, 3.0)
+    ratio, pg = logp.exp(), None
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    expected = torch.where(adv < 0, torch.minimum(pg, -adv * 3.0), pg)  # the published dual-clip formula
+    assert torch.allclose(loss, expected)
+    assert clipped.tolist() == [True, False, True, True, True]
+    loss.sum().backward()
+    assert logp.grad[0] == 0 and logp.grad[4] == 0 and logp.grad[1] != 0  # capped tokens: no gradient
+    plain, plain_clipped = gv.ppo_clip_loss(logp.detach(), old, adv, 0.2, 0.2)
+    assert torch.equal(plain, pg.detach()) and plain_clipped.tolist() == [False, False, True, True, False]
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("chunk_size", [1, 7, 64])
 def test_chunked_logprobs_entropy_equal_naive_values_and_gradients(temperature, chunk_size):

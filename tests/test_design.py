@@ -28,7 +28,7 @@ CHANGED = {
             '"""optimizer updates per rollout batch and epoch (the batch is split into this many mini-batches)"""'
         ],
         "validate_args": ["run.check_args(args, world_size, method_checks=[])"],
-        "__main__": ["token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, args.clip_eps_low, args.clip_eps_high)"],
+        "__main__": ["token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)"],
     },
     "grpo_clipcov.py": {
         "Args": [

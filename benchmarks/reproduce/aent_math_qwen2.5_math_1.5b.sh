@@ -21,14 +21,15 @@ run() {  # run a command, or only print it with DRY_RUN=1
   if [ -n "${DRY_RUN:-}" ]; then printf '%q ' "$@"; echo; else "$@"; fi
 }
 
-# shared by every method: the paper's MATH run (no KL to a reference, PPO clip 0.2, gradient checkpointing)
+# shared by every method: the paper's MATH run (no KL to a reference, PPO clip 0.2 with verl's dual clip c = 3, as
+# the reference code runs it; gradient checkpointing)
 COMMON=(
   --model-name-or-path Qwen/Qwen2.5-Math-1.5B --dataset "$DATASET"
   --eval-dataset benchmarks/data/math500.jsonl --eval-every 10
   --output-dir "$OUT" --total-steps "$TOTAL_STEPS" --track --wandb-project-name grpo-entropy --wandb-tags aent_math_qwen2.5_math_1.5b
   --num-prompts-per-step 512 --group-size 16 --max-prompt-length 1024 --max-response-length 3072
   --temperature 1.0 --learning-rate 2e-6 --num-mini-batches 4 --num-epochs 1
-  --kl-coef 0 --gradient-checkpointing --vllm-gpu-memory-utilization 0.55
+  --kl-coef 0 --clip-ratio-c 3 --gradient-checkpointing --vllm-gpu-memory-utilization 0.55
 )
 method_flags() {
   case "$1" in
