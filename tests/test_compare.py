@@ -39,6 +39,12 @@ def write_run(root, method, seed, entropy_end, steps=40, extra=None):
     return path
 
 
+def run_compare(*flags):
+    return subprocess.run(
+        [sys.executable, "benchmarks/compare.py", *flags], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
 def test_compare_writes_plots_and_table(tmp_path):
     runs = tmp_path / "runs"
     write_run(runs, "grpo_vanilla", 1, 0.1)
@@ -50,13 +56,7 @@ def test_compare_writes_plots_and_table(tmp_path):
     with open(os.path.join(klcov, "eval", "results.json"), "w") as f:
         json.dump({"average": {"mean@4": 0.4321, "pass@4": 0.6}}, f)
     out = tmp_path / "compare"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/compare.py", "--runs", str(runs / "*"), "--output-dir", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_compare("--runs", str(runs / "*"), "--output-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("entropy.png", "reward.png", "eval_acc.png", "law.png", "aent.png", "cov.png"):
         with open(out / name, "rb") as f:
@@ -202,13 +202,7 @@ def test_compare_table_gives_intervals_and_differences(tmp_path):
         write_run(runs, "grpo_vanilla", seed, 0.1 + 0.01 * seed)
         write_run(runs, "grpo_aent", seed, 0.5 + 0.01 * seed)
     out = tmp_path / "compare"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/compare.py", "--runs", str(runs / "*"), "--output-dir", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_compare("--runs", str(runs / "*"), "--output-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = (out / "compare.md").read_text().splitlines()
     assert lines[0] == "| method | seeds | eval/acc | entropy/full |"
@@ -227,13 +221,7 @@ def test_compare_shows_each_held_out_set(tmp_path):
         with open(os.path.join(path, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"step": 40, "eval/acc": acc, "eval/gsm8k/acc": acc + 0.1, "eval/amc23/acc": acc - 0.1}))
     out = tmp_path / "compare"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/compare.py", "--runs", str(runs / "*"), "--output-dir", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_compare("--runs", str(runs / "*"), "--output-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     header = next(
         line for line in (out / "compare.md").read_text().splitlines() if line.startswith("| method | seeds |")

@@ -26,13 +26,18 @@ import torch.distributed as dist
 CHECKSUMS = "checksums.json"
 
 
-def latest(path: str) -> str | None:
-    """The newest complete checkpoint under a run directory, or `path` itself if it is a checkpoint."""
+def _complete(path: str) -> list:
+    """The complete checkpoints of a run directory, oldest first, or [path] if it is a checkpoint itself."""
     if os.path.exists(os.path.join(path, "trainer_state.json")):
-        return path
+        return [path]
     root = os.path.join(path, "checkpoints")
     done = sorted(d for d in os.listdir(root) if d.startswith("step_")) if os.path.isdir(root) else []
-    return os.path.join(root, done[-1]) if done else None
+    return [os.path.join(root, d) for d in done]
+
+
+def latest(path: str) -> str | None:
+    """The newest complete checkpoint under a run directory, or `path` itself if it is a checkpoint."""
+    return (_complete(path) or [None])[-1]
 
 
 def _sha256(path: str) -> str:
@@ -87,13 +92,7 @@ def damage(checkpoint: str) -> list:
 def find_intact(path: str) -> str | None:
     """The newest checkpoint under a run directory (or `path`, a checkpoint) whose files are intact; each damaged one
     passed over is named in a warning. None if there is none."""
-    if os.path.exists(os.path.join(path, "trainer_state.json")):
-        candidates = [path]
-    else:
-        root = os.path.join(path, "checkpoints")
-        names = sorted(d for d in os.listdir(root) if d.startswith("step_")) if os.path.isdir(root) else []
-        candidates = [os.path.join(root, d) for d in reversed(names)]
-    for candidate in candidates:
+    for candidate in reversed(_complete(path)):
         problems = damage(candidate)
         if not problems:
             return candidate

@@ -199,16 +199,25 @@ def load_tokenizer(name_or_path: str):
     return tokenizer
 
 
+def _script_problems(source: str, split: str | None, args) -> list[dict]:
+    """load_problems with the script's --question-field / --answer-field; bad input is a one-line "error:" exit."""
+    try:
+        return load_problems(source, split, args.question_field, args.answer_field)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+
+
+def _prompt_ids(problem: dict, tokenizer) -> list[int]:
+    return tokenizer(format_prompt(problem.get("messages", problem["problem"]), tokenizer), add_special_tokens=False)[
+        "input_ids"
+    ]
+
+
 def tokenized_prompts(source: str, split: str | None, tokenizer, args, limit: int | None = None):
     """([(prompt token ids, answer)], number dropped): the first `limit` problems of a source as prompts, those longer
     than --max-prompt-length tokens dropped and counted, never truncated (args: the script's --question-field,
     --answer-field, --max-prompt-length). Bad input is a one-line "error:" exit."""
-    try:
-        problems = load_problems(source, split, args.question_field, args.answer_field)[:limit]
-    except ValueError as e:
-        raise SystemExit(f"error: {e}")
-    texts = [format_prompt(p.get("messages", p["problem"]), tokenizer) for p in problems]
-    rows = [(tokenizer(t, add_special_tokens=False)["input_ids"], p["answer"]) for t, p in zip(texts, problems)]
+    rows = [(_prompt_ids(p, tokenizer), p["answer"]) for p in _script_problems(source, split, args)[:limit]]
     kept = [r for r in rows if len(r[0]) <= args.max_prompt_length]
     if not kept:
         raise SystemExit(f"error: {source}: every prompt is longer than --max-prompt-length {args.max_prompt_length}")
@@ -222,10 +231,7 @@ def eval_prompts(sources, tokenizer, args, train_data=()) -> list[tuple[list[int
     that are also training prompts (`train_data`: (prompt ids, answer) rows) are counted in a warning."""
     rows, names = [], set()
     for source in sources:
-        try:
-            problems = load_problems(source, None, args.question_field, args.answer_field)
-        except ValueError as e:
-            raise SystemExit(f"error: {e}")
+        problems = _script_problems(source, None, args)
         stem = os.path.splitext(os.path.basename(source.rstrip("/").split(":")[0]))[0]
         sets, before = {}, len(rows)
         for p in problems:
@@ -233,10 +239,8 @@ def eval_prompts(sources, tokenizer, args, train_data=()) -> list[tuple[list[int
         for name, members in sets.items():
             unique = name if name not in names else f"{name}_{len(names)}"  # two files of one stem: both kept
             names.add(unique)
-            for p in members[: args.eval_num_prompts]:
-                ids = tokenizer(format_prompt(p.get("messages", p["problem"]), tokenizer), add_special_tokens=False)
-                if len(ids["input_ids"]) <= args.max_prompt_length:
-                    rows.append((ids["input_ids"], p["answer"], unique))
+            prompts = [(_prompt_ids(p, tokenizer), p["answer"], unique) for p in members[: args.eval_num_prompts]]
+            rows += [r for r in prompts if len(r[0]) <= args.max_prompt_length]
         if len(rows) == before:
             raise SystemExit(
                 f"error: {source}: every prompt is longer than --max-prompt-length {args.max_prompt_length}"
