@@ -1,7 +1,9 @@
-# Evaluate a model on math test sets: mean@k, pass@k, majority vote, length, truncation, entropy; docs: README.md
+# Evaluate a model on math test sets: mean@k, pass@k, majority vote, length, truncation, entropy, and the
+# entropy-collapse protocol's files (--export-protocol); docs: README.md
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -20,6 +22,8 @@ from utils.reward import grade, last_boxed, pass_at_k  # noqa: E402
 
 DATA_DIR = os.path.join(ROOT, "benchmarks", "data")
 VENDORED = ("math500", "aime24", "amc23", "minerva_math", "olympiadbench", "gsm8k")
+PROTOCOL_OUTPUTS, PROTOCOL_LOGITS = "math_results.parquet", "math_results_logits.pt"
+"""The two files the entropy-collapse protocol asks for, under <output-dir>/protocol/."""
 
 
 @dataclass
@@ -73,14 +77,22 @@ class Args:
     logprob_chunk_size: int = 1024
     """tokens per chunk of the vocabulary projection; bounds the [tokens, vocab] temporaries"""
 
-    # Files of the entropy-collapse evaluation protocol (docs/methods.md)
+    # Files of the entropy-collapse evaluation protocol (README.md, "Evaluation and comparison")
     export_protocol: bool = False
-    """also write protocol/<set>_outputs.parquet (sample_id, output) and protocol/<set>_entropies.parquet"""
+    """also write the protocol's submission for --protocol-dataset to <output-dir>/protocol/math_results.parquet: one
+    row per problem in test-set order, sample_id (int64: the problem's 0-based row in the test file) and output
+    (string: its first sample, ending `Answer:\\boxed{...}`); plus <set>_entropies.parquet, the per-token entropies"""
     protocol_dataset: str = "math500"
-    """the set exported for the protocol (its first sample per problem: use --greedy or --n 1 for a submission)"""
+    """the test set exported for the protocol, a vendored name or a path; must be among --datasets (its first sample
+    per problem is exported: use --greedy or --n 1 for a submission)"""
     export_logits: bool = False
-    """also write raw logits, protocol/<set>_logits/<sample_id>.npy, float16 [tokens, vocab]: ~0.3 MB per token at
-    Qwen's 151,936 vocab, about 100 GB for MATH-500 (implies --export-protocol)"""
+    """also write protocol/math_results_logits.pt: a list (torch.save) of one float16 [generated tokens, vocab] tensor
+    per row of math_results.parquet, in its order: the raw logits (temperature 1) each generated token (eos included)
+    was sampled from; the appended `Answer:\\boxed{}` line, not generated, has none. At Qwen's 151,936 vocab that is
+    0.3 MB per token: ~90 GB for MATH-500 at ~600 tokens per response, up to 470 GB at 3,072. It does not fit in
+    memory, so each tensor is written to a memory-mapped scratch file that torch.save streams into the .pt; the size
+    is printed, and the export stops before computing logits if the disk lacks twice it (scratch and file). Read it
+    with torch.load(path, mmap=True) to keep it out of memory too (implies --export-protocol)"""
 
     # filled in at runtime
     shard: int = 0
@@ -277,18 +289,56 @@ def token_entropies(model, prompts: list, responses: list, args: Args, device, p
     return result
 
 
-def raw_logits(model, prompt: list, response: list, chunk_size: int, device) -> np.ndarray:
-    """float16 [len(response), vocab] logits (temperature 1) at the response positions, built chunk by chunk."""
+def raw_logits(model, prompt: list, response: list, chunk_size: int, device, out) -> None:
+    """Fill `out`, float16 [len(response), vocab], with the logits (temperature 1) at the response positions, chunk by
+    chunk: row t is the distribution token t was sampled from."""
     import torch
 
-    if not response:
-        return np.zeros((0, model.config.vocab_size), dtype=np.float16)
     with torch.no_grad():
         ids = torch.tensor([prompt + response], device=device)
         hidden = model(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states[-1][0]
         hidden = hidden[len(prompt) - 1 : len(prompt) + len(response) - 1]
         head = model.get_output_embeddings()
-        return np.concatenate([head(h).float().cpu().numpy().astype(np.float16) for h in hidden.split(chunk_size)])
+        for start, h in zip(range(0, len(response), chunk_size), hidden.split(chunk_size)):
+            out[start : start + len(h)] = head(h).to(torch.float16).cpu()
+
+
+def save_logits(path: str, model, prompts: list, responses: list, chunk_size: int, device) -> None:
+    """torch.save to `path` the list of each response's float16 [len(response), vocab] raw logits (--export-logits).
+    The list does not fit in memory at scale, so each tensor is a memory-mapped file in a scratch folder next to `path`
+    (removed after) and torch.save streams them into the .pt: the disk must hold both, checked before any forward."""
+    import torch
+    from tqdm import tqdm
+
+    vocab, tokens = model.config.vocab_size, sum(map(len, responses))
+    size, where = tokens * vocab * 2, os.path.dirname(path)
+    free = shutil.disk_usage(where).free
+    what = f"{len(responses)} tensors, {tokens} tokens x vocab {vocab} x 2 bytes = {size / 1e9:.2f} GB"
+    if free < 2 * size:
+        raise SystemExit(
+            f"error: --export-logits: {os.path.basename(path)} takes {what}, and as much scratch while it is written; "
+            f"{free / 1e9:.2f} GB free in {where} (the other protocol files are written: make room, or drop the flag)"
+        )
+    print(f"writing {path}: {what}")
+    scratch, tmp = f"{path}.scratch", f"{path}.tmp"
+    shutil.rmtree(scratch, ignore_errors=True)
+    os.makedirs(scratch)
+    try:
+        tensors = []
+        for i, (prompt, response) in enumerate(tqdm(list(zip(prompts, responses)), desc="logits", unit="sample")):
+            if not response:  # prompt too long: nothing generated
+                tensors.append(torch.zeros(0, vocab, dtype=torch.float16))
+                continue
+            file = os.path.join(scratch, f"{i}.bin")
+            out = torch.from_file(file, shared=True, size=len(response) * vocab, dtype=torch.float16)
+            tensors.append(out.view(len(response), vocab))
+            raw_logits(model, prompt, response, chunk_size, device, tensors[-1])
+        torch.save(tensors, tmp)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def summarize(rows: list, n: int, cache: dict) -> dict:
@@ -378,6 +428,12 @@ if __name__ == "__main__":
             rows_of[dataset_name(spec)] = load_problems(dataset_source(spec))[: args.limit]
         except ValueError as e:
             raise SystemExit(f"error: {e}")
+    if args.export_logits:
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(args.model_name_or_path).vocab_size
+        most = len(rows_of[dataset_name(args.protocol_dataset)]) * args.max_response_length * vocab * 2
+        print(f"note: --export-logits writes up to {most / 1e9:.1f} GB (float16, vocab {vocab}), as much scratch too")
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     except (OSError, ValueError) as e:
@@ -563,39 +619,38 @@ if __name__ == "__main__":
         )
     print(table)
 
-    # the entropy-collapse protocol's files: outputs, per-token entropies, optionally raw logits
+    # the entropy-collapse protocol's files: outputs, per-token entropies, optionally raw logits; one row per problem
+    # (its first sample), in test-set order
     if args.export_protocol:
         name = dataset_name(args.protocol_dataset)
         first = sorted((r for r in merged if r["dataset"] == name and r["sample"] == 0), key=lambda r: r["index"])
+        sample_ids = [r["index"] for r in first]
         prompt_of = {p["index"]: ids for p, ids in problems[name]}
+        prompts, responses = [prompt_of[i] for i in sample_ids], [r["token_ids"] for r in first]
         proto_dir = os.path.join(out_dir, "protocol")
         os.makedirs(proto_dir, exist_ok=True)
         import pandas as pd
+        import pyarrow as pa
+        import pyarrow.parquet as pq
 
-        outputs = pd.DataFrame(
-            {"sample_id": [r["index"] for r in first], "output": [protocol_output(r["response"]) for r in first]}
-        )
-        outputs.to_parquet(os.path.join(proto_dir, f"{name}_outputs.parquet"), index=False)
+        outputs = {
+            "sample_id": pa.array(sample_ids, pa.int64()),
+            "output": pa.array([protocol_output(r["response"]) for r in first], pa.string()),
+        }
+        pq.write_table(pa.table(outputs), os.path.join(proto_dir, PROTOCOL_OUTPUTS))
         if model is None:
             model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device).eval()
-        entropies = token_entropies(
-            model, [prompt_of[r["index"]] for r in first], [r["token_ids"] for r in first], args, device, pad_id
-        )
+        entropies = token_entropies(model, prompts, responses, args, device, pad_id)
         pd.DataFrame(
             {
-                "sample_id": [r["index"] for r in first],
+                "sample_id": sample_ids,
                 "entropy": entropies,  # float32 lists
                 "mean_entropy": [float(e.mean()) if len(e) else None for e in entropies],
             }
         ).to_parquet(os.path.join(proto_dir, f"{name}_entropies.parquet"), index=False)
+        logits_path = os.path.join(proto_dir, PROTOCOL_LOGITS)
         if args.export_logits:
-            logits_dir = os.path.join(proto_dir, f"{name}_logits")
-            os.makedirs(logits_dir, exist_ok=True)
-            print(
-                f"warning: writing full logits to {logits_dir} (vocab {model.config.vocab_size}: "
-                f"{model.config.vocab_size * 2 / 2**20:.2f} MiB per token)"
-            )
-            for r in tqdm(first, desc="logits", unit="sample"):
-                logits = raw_logits(model, prompt_of[r["index"]], r["token_ids"], args.logprob_chunk_size, device)
-                np.save(os.path.join(logits_dir, f"{r['index']}.npy"), logits)
-        print(f"wrote protocol files for {name} to {proto_dir}")
+            save_logits(logits_path, model, prompts, responses, args.logprob_chunk_size, device)
+        elif os.path.exists(logits_path):
+            print(f"warning: {logits_path} is from an earlier run (no --export-logits now): it may not match")
+        print(f"wrote the protocol files for {name} to {proto_dir}")

@@ -123,30 +123,65 @@ def test_samples_are_graded_like_training(evaluated, testbed):
     assert test["mean@4"] == pytest.approx(np.mean([r["reward"] for r in rows if r["dataset"] == "test"]))
 
 
+def check_protocol_files(out, rows, tokenizer, vocab_size, name):
+    """The protocol's two files (and the entropies) under out/protocol against the sample rows they export: one per
+    problem, in test-set order, each output the response ending `Answer:\\boxed{}`, each logits tensor the raw
+    logits of the response's generated tokens, from which its per-token entropies follow."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    proto = os.path.join(out, "protocol")
+    assert sorted(os.listdir(proto)) == sorted(
+        ["math_results.parquet", "math_results_logits.pt", f"{name}_entropies.parquet"]
+    )
+    schema = pq.read_schema(os.path.join(proto, "math_results.parquet"))
+    assert schema.names == ["sample_id", "output"]
+    assert schema.field("sample_id").type == pa.int64() and schema.field("output").type == pa.string()
+    outputs = pd.read_parquet(os.path.join(proto, "math_results.parquet"))
+    assert outputs["sample_id"].tolist() == [r["index"] for r in rows] == list(range(len(rows)))  # test-set order
+    for r, output in zip(rows, outputs["output"]):
+        assert re.search(r"Answer:\\boxed\{[^\n]*\}$", output) and output.startswith(r["response"].rstrip())
+        assert grade(output, r["answer"]) == grade(r["response"], r["answer"])
+    entropies = pd.read_parquet(os.path.join(proto, f"{name}_entropies.parquet"))
+    assert entropies["sample_id"].tolist() == outputs["sample_id"].tolist()
+    logits = torch.load(os.path.join(proto, "math_results_logits.pt"), mmap=True)
+    assert isinstance(logits, list) and len(logits) == len(rows)
+    for r, output, per_token, x in zip(rows, outputs["output"], entropies["entropy"], logits):
+        # one row per generated token (eos included): the tokens whose text the output starts with
+        assert x.dtype == torch.float16 and tuple(x.shape) == (len(r["token_ids"]), vocab_size) and r["length"] > 0
+        assert output.startswith(tokenizer.decode(r["token_ids"], skip_special_tokens=True).rstrip())
+        assert len(per_token) == r["length"] and np.mean(per_token) == pytest.approx(r["entropy"], rel=1e-4)
+        logp = torch.log_softmax(x.double(), dim=-1)
+        assert np.allclose(-(logp.exp() * logp).sum(-1).numpy(), per_token, atol=2e-2)  # float16 logits
+
+
 @pytest.mark.vllm
 def test_protocol_files(evaluated, testbed):
+    from transformers import AutoTokenizer
+
     out, _ = evaluated
     with open(os.path.join(testbed.model_dir, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
     rows = [r for r in read_jsonl(os.path.join(out, "samples.jsonl")) if r["dataset"] == "math500" and r["sample"] == 0]
-    outputs = pd.read_parquet(os.path.join(out, "protocol", "math500_outputs.parquet"))
-    assert list(outputs.columns) == ["sample_id", "output"] and outputs["sample_id"].dtype.kind == "i"
-    assert outputs["sample_id"].tolist() == [0, 1]
-    for r, output in zip(rows, outputs["output"]):
-        assert re.search(r"Answer:\\boxed\{[^\n]*\}$", output) and output.startswith(r["response"].rstrip())
-        assert grade(output, r["answer"]) == grade(r["response"], r["answer"])
-    entropies = pd.read_parquet(os.path.join(out, "protocol", "math500_entropies.parquet"))
-    assert entropies["sample_id"].tolist() == [0, 1]
-    for r, per_token, logits_id in zip(rows, entropies["entropy"], entropies["sample_id"]):
-        assert len(per_token) == r["length"] and np.mean(per_token) == pytest.approx(r["entropy"], rel=1e-4)
-        logits = np.load(os.path.join(out, "protocol", "math500_logits", f"{logits_id}.npy")).astype(np.float64)
-        assert logits.shape == (r["length"], vocab_size)
-        logp = (
-            logits
-            - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
-            - logits.max(-1, keepdims=True)
-        )
-        assert np.allclose(-(np.exp(logp) * logp).sum(-1), per_token, atol=2e-2)  # float16 logits
+    check_protocol_files(out, rows, AutoTokenizer.from_pretrained(testbed.model_dir), vocab_size, "math500")
+
+
+def test_protocol_files_of_a_test_file_given_by_path(testbed, tmp_path):
+    """A submission as the protocol asks it: greedy, one sample per problem, --protocol-dataset a path (HF generate)."""
+    from transformers import AutoTokenizer
+
+    out = str(tmp_path)
+    flags = ["--model-name-or-path", testbed.model_dir, "--datasets", "gsm8k", testbed.test_file, "--limit", "3"]
+    flags += ["--greedy", "--no-use-vllm", "--output-dir", out, "--max-prompt-length", "128"]
+    flags += ["--max-response-length", "48", "--protocol-dataset", testbed.test_file, "--export-logits"]
+    proc = run_eval(flags)
+    assert "GB" in proc.stdout and "math_results_logits.pt" in proc.stdout  # the size, stated
+    with open(os.path.join(testbed.model_dir, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    rows = [r for r in read_jsonl(os.path.join(out, "samples.jsonl")) if r["dataset"] == "test"]
+    assert [r["index"] for r in rows] == [0, 1, 2] and all(r["status"] != "no_box" for r in rows)
+    check_protocol_files(out, rows, AutoTokenizer.from_pretrained(testbed.model_dir), vocab_size, "test")
 
 
 @pytest.mark.vllm
