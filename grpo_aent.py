@@ -123,6 +123,9 @@ class Args:
     """PPO upper clip: ratio <= 1 + eps_high (DAPO's clip-higher: 0.28)"""
     clip_ratio_c: float = 0.0
     """dual clip: where A < 0 the loss is at most -A c (verl's clip_ratio_c, its default 3); 0: PPO's clip alone"""
+    vllm_is_cap: float = 2.0
+    """truncated importance sampling: each token's loss times min(pi_old / pi_vllm, C) against the sampler's numerical
+    disagreement with the trainer (bf16 kernels); on by default in TRL (C = 2 per token; verl: off); 0 disables"""
     kl_coef: float = 0.0
     """coefficient of the k3 KL to the initial policy; 0 (default) does not load a reference model"""
     scale_rewards: bool = True
@@ -290,6 +293,12 @@ def next_entropy_coef(coef, entropy, *, low, high, lr, reg, init_coef, coef_min,
     return min(max(coef - lr * step, coef_min), coef_max)
 
 
+def rollout_weights(old_logp, sampler_logp, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    training"): each sampled token's loss weight min(pi_old / pi_sampler, cap), pi_old the trainer's probability."""
+    return torch.exp(old_logp - sampler_logp).clamp(max=cap)
+
+
 class _LogprobEntropy(torch.autograd.Function):
     """Log-prob of each target and the entropy H = -sum p log p from a chunk of logits [N, vocab] at a temperature.
 
@@ -390,6 +399,7 @@ def make_sampler(args: Args, rank: int, on_gpu: bool):
     """This process's part of a vLLM engine in the torch.distributed world (external launcher): its own engine with
     --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks)."""
     LLM = run.import_vllm()
+    run.check_vllm_memory(args, on_gpu)  # its budget is a fraction of the whole GPU, free now: a clear error if not
     if not on_gpu:
         run.keep_vllm_cpu_weights()  # so that push_weights can update them
     return LLM(
@@ -412,6 +422,7 @@ def push_weights(policy, sampler, zero_stage: int, wake: bool = False) -> None:
     """Copy the policy's current weights into the local vLLM sampler (ZeRO-3: gathered one parameter at a time);
     `wake`: the sampler sleeps, so first wake its weights, and afterwards its KV cache."""
     if wake:
+        torch.cuda.empty_cache()  # the engine re-maps its memory outside PyTorch's cache: hand the cached blocks back
         sampler.wake_up(tags=["weights"])
     for name, param in policy.module.named_parameters():
         with deepspeed.zero.GatheredParameters([param], enabled=zero_stage == 3):
@@ -551,6 +562,8 @@ if __name__ == "__main__":
         advantages = group_advantages(rewards, args.scale_rewards).flatten()
         slices = [slice(s, s + mbs) for s in range(0, len(samples), mbs)]  # mini-batch m: grad_accum of them
         batches = [collate(seq_prompts[i], responses[i], tokenizer.pad_token_id, device, advantages[i]) for i in slices]
+        sampler_logp = torch.tensor([x for s in samples for x in s.sampler_logps or []], device=device)  # vLLM only
+        sampler_logps = sampler_logp.split([int(b["lengths"].sum()) for b in batches]) if sampler is not None else []
 
         # ---- log-prob pass: the sampling policy's log-probs and entropy, the reference policy's log-probs ----
         # a single on-policy update without reference policy skips it: its training forward gives them (old = current)
@@ -589,6 +602,8 @@ if __name__ == "__main__":
                     old_logp, adv = old_logps[i], batch["advantages"]
                     weights = token_weights(batch["lengths"], *aggregation).to(device)
                     token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)
+                    if sampler is not None and args.vllm_is_cap:  # the sampler's tokens, weighted to the trainer's
+                        token_loss = token_loss * rollout_weights(old_logp, sampler_logps[i], args.vllm_is_cap)
                     token_loss = token_loss - coef * clamped_h  # AEnt: clamped-entropy bonus, aggregated like the loss
                     sums["bonus"] += coef * (clamped_h.detach() * weights).sum().item()
                     sums["clamped_train"] += clamped_h.detach().sum().item()
@@ -622,7 +637,6 @@ if __name__ == "__main__":
 
         # ---- metrics: sums over ranks, then means ----
         old_logp = torch.cat(old_logps)
-        sampler_logp = torch.tensor([x for s in samples for x in s.sampler_logps or []], device=device)
         sums.update(seqs=len(samples), tokens=old_logp.numel(), prompt_tokens=sum(len(p) for p in seq_prompts))
         sums.update(reward=rewards.sum().item(), correct=(rewards == 1).sum().item(), groups=rewards.shape[0])
         statuses = [status for _, status in graded]
@@ -631,7 +645,10 @@ if __name__ == "__main__":
         )
         sums.update(truncated=sum(s.truncated for s in samples), all_equal=(rewards.std(dim=1) == 0).sum().item())
         sums["nll"] = -old_logp.sum().item()
-        sums["gap"] = (sampler_logp - old_logp.float()).abs().sum().item() if sampler is not None else 0.0
+        if sampler is not None:  # the sampler's log-probs against the trainer's, the correction's weights (C 0: none)
+            ratio, cap = torch.exp(old_logp.float() - sampler_logp), args.vllm_is_cap or math.inf
+            sums.update(gap=(sampler_logp - old_logp.float()).abs().sum().item(), is_clipped=(ratio > cap).sum().item())
+            sums["is_weight"] = ratio.clamp(max=cap).sum().item()
         g = run.all_reduce_sums(sums, device)
         max_length = torch.tensor([max(len(s.ids) for s in samples)], device=device)
         dist.all_reduce(max_length, op=dist.ReduceOp.MAX)
@@ -660,6 +677,8 @@ if __name__ == "__main__":
         )
         if sampler is not None:
             metrics["rollout/vllm_logprob_gap"] = g["gap"] / g["tokens"]
+            metrics["rollout/is_weight_mean"] = g["is_weight"] / g["tokens"]  # min(ratio, C) over the sampled tokens
+            metrics["rollout/is_clipped_frac"] = g["is_clipped"] / g["tokens"]
         if ref_policy is not None:
             metrics["losses/ref_kl"] = g["ref_kl"] / updates_per_step
         coef_range = torch.tensor([coef, -coef], dtype=torch.float64, device=device)  # AEnt: max and -min over ranks

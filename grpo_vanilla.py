@@ -124,6 +124,9 @@ class Args:
     """PPO upper clip: ratio <= 1 + eps_high (DAPO's clip-higher: 0.28)"""
     clip_ratio_c: float = 0.0
     """dual clip: where A < 0 the loss is at most -A c (verl's clip_ratio_c, its default 3); 0: PPO's clip alone"""
+    vllm_is_cap: float = 2.0
+    """truncated importance sampling: each token's loss times min(pi_old / pi_vllm, C) against the sampler's numerical
+    disagreement with the trainer (bf16 kernels); on by default in TRL (C = 2 per token; verl: off); 0 disables"""
     kl_coef: float = 0.0
     """coefficient of the k3 KL to the initial policy; 0 (default) does not load a reference model"""
     scale_rewards: bool = True
@@ -195,6 +198,12 @@ def ppo_clip_loss(logp, old_logp, advantages, eps_low: float, eps_high: float, c
     clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     loss, cap = torch.maximum(unclipped, clipped), torch.where(advantages < 0, -advantages * clip_c, torch.inf)
     return (loss.clamp(max=cap), (clipped > unclipped) | (loss > cap)) if clip_c else (loss, clipped > unclipped)
+
+
+def rollout_weights(old_logp, sampler_logp, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    training"): each sampled token's loss weight min(pi_old / pi_sampler, cap), pi_old the trainer's probability."""
+    return torch.exp(old_logp - sampler_logp).clamp(max=cap)
 
 
 class _LogprobEntropy(torch.autograd.Function):
@@ -297,6 +306,7 @@ def make_sampler(args: Args, rank: int, on_gpu: bool):
     """This process's part of a vLLM engine in the torch.distributed world (external launcher): its own engine with
     --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks)."""
     LLM = run.import_vllm()
+    run.check_vllm_memory(args, on_gpu)  # its budget is a fraction of the whole GPU, free now: a clear error if not
     if not on_gpu:
         run.keep_vllm_cpu_weights()  # so that push_weights can update them
     return LLM(
@@ -319,6 +329,7 @@ def push_weights(policy, sampler, zero_stage: int, wake: bool = False) -> None:
     """Copy the policy's current weights into the local vLLM sampler (ZeRO-3: gathered one parameter at a time);
     `wake`: the sampler sleeps, so first wake its weights, and afterwards its KV cache."""
     if wake:
+        torch.cuda.empty_cache()  # the engine re-maps its memory outside PyTorch's cache: hand the cached blocks back
         sampler.wake_up(tags=["weights"])
     for name, param in policy.module.named_parameters():
         with deepspeed.zero.GatheredParameters([param], enabled=zero_stage == 3):
@@ -455,6 +466,8 @@ if __name__ == "__main__":
         advantages = group_advantages(rewards, args.scale_rewards).flatten()
         slices = [slice(s, s + mbs) for s in range(0, len(samples), mbs)]  # mini-batch m: grad_accum of them
         batches = [collate(seq_prompts[i], responses[i], tokenizer.pad_token_id, device, advantages[i]) for i in slices]
+        sampler_logp = torch.tensor([x for s in samples for x in s.sampler_logps or []], device=device)  # vLLM only
+        sampler_logps = sampler_logp.split([int(b["lengths"].sum()) for b in batches]) if sampler is not None else []
 
         # ---- log-prob pass: the sampling policy's log-probs and entropy, the reference policy's log-probs ----
         # a single on-policy update without reference policy skips it: its training forward gives them (old = current)
@@ -489,6 +502,8 @@ if __name__ == "__main__":
                     old_logp, adv = old_logps[i], batch["advantages"]
                     weights = token_weights(batch["lengths"], *aggregation).to(device)
                     token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)
+                    if sampler is not None and args.vllm_is_cap:  # the sampler's tokens, weighted to the trainer's
+                        token_loss = token_loss * rollout_weights(old_logp, sampler_logps[i], args.vllm_is_cap)
                     if ref_policy is not None:
                         log_ratio = ref_logps[i] - logp
                         ref_kl = torch.exp(log_ratio) - log_ratio - 1  # k3 estimator
@@ -519,7 +534,6 @@ if __name__ == "__main__":
 
         # ---- metrics: sums over ranks, then means ----
         old_logp = torch.cat(old_logps)
-        sampler_logp = torch.tensor([x for s in samples for x in s.sampler_logps or []], device=device)
         sums.update(seqs=len(samples), tokens=old_logp.numel(), prompt_tokens=sum(len(p) for p in seq_prompts))
         sums.update(reward=rewards.sum().item(), correct=(rewards == 1).sum().item(), groups=rewards.shape[0])
         statuses = [status for _, status in graded]
@@ -528,7 +542,10 @@ if __name__ == "__main__":
         )
         sums.update(truncated=sum(s.truncated for s in samples), all_equal=(rewards.std(dim=1) == 0).sum().item())
         sums["nll"] = -old_logp.sum().item()
-        sums["gap"] = (sampler_logp - old_logp.float()).abs().sum().item() if sampler is not None else 0.0
+        if sampler is not None:  # the sampler's log-probs against the trainer's, the correction's weights (C 0: none)
+            ratio, cap = torch.exp(old_logp.float() - sampler_logp), args.vllm_is_cap or math.inf
+            sums.update(gap=(sampler_logp - old_logp.float()).abs().sum().item(), is_clipped=(ratio > cap).sum().item())
+            sums["is_weight"] = ratio.clamp(max=cap).sum().item()
         g = run.all_reduce_sums(sums, device)
         max_length = torch.tensor([max(len(s.ids) for s in samples)], device=device)
         dist.all_reduce(max_length, op=dist.ReduceOp.MAX)
@@ -557,6 +574,8 @@ if __name__ == "__main__":
         )
         if sampler is not None:
             metrics["rollout/vllm_logprob_gap"] = g["gap"] / g["tokens"]
+            metrics["rollout/is_weight_mean"] = g["is_weight"] / g["tokens"]  # min(ratio, C) over the sampled tokens
+            metrics["rollout/is_clipped_frac"] = g["is_clipped"] / g["tokens"]
         if ref_policy is not None:
             metrics["losses/ref_kl"] = g["ref_kl"] / updates_per_step
         tracker.log(metrics, step + 1)

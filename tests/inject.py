@@ -9,9 +9,12 @@ Faults, at the n-th call (from 1; "<n>+": that call and every later one) on `ran
     kill-save      SIGKILL in a checkpoint write (after the engine state, before the RNG state and the rename)
     disk-full      a checkpoint's engine-state file is cut at 1000 bytes and its torch.save raises ENOSPC (the disk
                    filling during a checkpoint write)
+    sampler-ratio  vLLM's LLM.generate reports every sampled token's log-prob log($GRPO_RATIO) lower than it is, so
+                   that pi_trainer / pi_vllm = $GRPO_RATIO (a sampler that disagrees with the trainer)
 """
 
 import errno
+import math
 import os
 import runpy
 import signal
@@ -20,16 +23,20 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def patch(owner, name, fault, n, rank, every, when=lambda *a, **k: True):
-    """Wrap owner.name so that its n-th matching call (and every later one if `every`) on `rank` applies `fault`."""
+def patch(owner, name, fault, n, rank, every, when=lambda *a, **k: True, after=None):
+    """Wrap owner.name so that its n-th matching call (and every later one if `every`) on `rank` applies `fault` to
+    its arguments (or `after` to its result)."""
     original, calls = getattr(owner, name), [0]
 
     def wrapper(*args, **kwargs):
+        hit = False
         if (rank is None or int(os.environ.get("RANK", "0")) == rank) and when(*args, **kwargs):
             calls[0] += 1
-            if calls[0] == n or (every and calls[0] > n):
+            hit = calls[0] == n or (every and calls[0] > n)
+            if hit and fault is not None:
                 args, kwargs = fault(args, kwargs)
-        return original(*args, **kwargs)
+        result = original(*args, **kwargs)
+        return after(result) if hit and after is not None else result
 
     setattr(owner, name, wrapper)
 
@@ -43,6 +50,15 @@ def disk_full(args, kwargs):
     with open(path, "wb") as f:
         f.write(b"\0" * 1000)
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def lower_logprobs(outputs):
+    ratio = float(os.environ["GRPO_RATIO"])
+    for completion in (c for o in outputs for c in o.outputs):
+        for position in completion.logprobs or []:
+            for logprob in position.values():
+                logprob.logprob -= math.log(ratio)
+    return outputs
 
 
 def nan_loss(args, kwargs):
@@ -81,6 +97,10 @@ if __name__ == "__main__":
         else:
             from vllm import LLM as owner
         patch(owner, "generate", kill, n, rank, every)
+    elif fault == "sampler-ratio":
+        from vllm import LLM
+
+        patch(LLM, "generate", None, n, rank, every, after=lower_logprobs)
     else:
         raise SystemExit(f"error: unknown GRPO_FAULT {fault!r}")
     script, sys.argv = sys.argv[1], sys.argv[1:]

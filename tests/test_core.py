@@ -122,6 +122,13 @@ def test_step_prompt_indices_give_the_same_mini_batches_on_any_world_size():
     assert sorted(seen) == list(range(30))
 
 
+def test_rollout_weights_are_the_truncated_probability_ratio():
+    """min(pi_old / pi_sampler, C) per token (truncated importance sampling), a constant of the loss."""
+    old, sampler = torch.log(torch.tensor([0.5, 0.2, 0.9, 0.3])), torch.log(torch.tensor([0.5, 0.4, 0.1, 0.6]))
+    weights = gv.rollout_weights(old, sampler, 2.0)
+    assert torch.allclose(weights, torch.tensor([1.0, 0.5, 2.0, 0.5])) and not weights.requires_grad
+
+
 @pytest.mark.parametrize(
     "flag, value, message",
     [
@@ -131,6 +138,7 @@ def test_step_prompt_indices_give_the_same_mini_batches_on_any_world_size():
         ("zero_stage", 1, "--zero-stage must be 2 or 3"),
         ("num_prompts_per_step", 6, "must be divisible by --num-mini-batches x world size"),
         ("micro_batch_size", 3, "--micro-batch-size (3) must divide"),
+        ("vllm_is_cap", 0.5, "--vllm-is-cap must be 0 (off) or >= 1"),
     ],
 )
 def test_validate_args_rejects_bad_values_with_the_flag_name(flag, value, message):

@@ -177,3 +177,25 @@ def test_a_skipped_update_keeps_the_learning_rate_schedule(testbed, tmp_path):
     rows = read_metrics(run_dir(tmp_path))
     assert [r["losses/skipped_updates"] for r in rows] == [0, 1, 0]
     assert [r["charts/lr"] for r in rows] == pytest.approx([5e-4 * (s + 1) / 5 for s in (1, 2, 3)])
+
+
+def test_rollout_correction_weights_the_loss_by_the_sampler_mismatch(testbed, tmp_path):
+    """A sampler that reports every token 3x less likely than the trainer finds it (injected into vLLM's output): with
+    --vllm-is-cap 0 the loss is not corrected; with C = 4 each token's loss is weighted by the ratio 3, with C = 2 by
+    the cap 2: the same samples, the loss and the gradient scaled by exactly that."""
+    rows = {}
+    for cap in (0, 2, 4):
+        flags = script_flags(testbed, **{"total-steps": 1, "vllm-is-cap": cap})
+        run_script("grpo_vanilla.py", flags, tmp_path / str(cap), fault="sampler-ratio:1+", env={"GRPO_RATIO": "3"})
+        (rows[cap],) = read_metrics(run_dir(tmp_path / str(cap)))
+    base = rows[0]
+    assert base["rollout/vllm_logprob_gap"] == pytest.approx(math.log(3), rel=1e-3)
+    assert base["losses/grad_norm"] > 0 and base["losses/policy_loss"] != 0
+    for cap, weight in ((0, 3.0), (2, 2.0), (4, 3.0)):
+        r = rows[cap]
+        assert r["rollout/reward"] == base["rollout/reward"] and r["entropy/full"] == base["entropy/full"]
+        assert r["rollout/is_weight_mean"] == pytest.approx(weight, rel=1e-3)  # cap 0: the uncorrected ratio
+        assert r["rollout/is_clipped_frac"] == (1.0 if cap == 2 else 0.0)
+        scale = weight if cap else 1.0
+        for key in ("losses/policy_loss", "losses/grad_norm"):
+            assert r[key] == pytest.approx(scale * base[key], rel=1e-3), (cap, key)

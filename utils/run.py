@@ -112,6 +112,10 @@ def check_args(args, world_size: int, method_checks=()) -> None:
         check(getattr(args, name) >= low, f"{flag(name)} must be >= {low} (got {getattr(args, name)})")
     for name in ("temperature", "learning_rate", "max_grad_norm", "clip_eps_low", "clip_eps_high"):
         check(getattr(args, name) > 0, f"{flag(name)} must be > 0 (got {getattr(args, name)})")
+    check(
+        args.vllm_is_cap == 0 or args.vllm_is_cap >= 1,
+        f"--vllm-is-cap must be 0 (off) or >= 1 (got {args.vllm_is_cap}): below 1 it scales down matching tokens too",
+    )
     tp = args.vllm_tensor_parallel_size
     check(args.use_vllm or tp == 1, "--vllm-tensor-parallel-size > 1 needs vLLM (drop --no-use-vllm)")
     check(
@@ -168,32 +172,63 @@ def lr_lambda(args, updates_per_step: int):
     return factor
 
 
-def make_policy(args, on_gpu: bool, grad_accum: int, updates_per_step: int):
-    """The policy being trained as a DeepSpeed engine (AdamW, the LR schedule), and the frozen reference policy
-    (only with --kl-coef > 0)."""
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+BUCKET_ELEMENTS = 50_000_000
+"""ZeRO's gradient-reduction and ZeRO-2's all-gather buckets, in elements (DeepSpeed's default is 5e8): with
+overlap_comm DeepSpeed keeps several buckets in flight (its docs: ~4.5x the bucket sizes), at fp32 communication
+that is ~0.9 GB here instead of ~9 GB."""
+
+
+def deepspeed_config(args, on_gpu: bool, grad_accum: int) -> dict:
+    """The DeepSpeed config of the policy. On GPUs the weights are bf16 but gradients are accumulated over the
+    micro-batches and reduced over the ranks in fp32 (DeepSpeed's default for both is the weights' dtype: up to 8
+    micro-batches x 8 ranks of bf16 roundings per update at the defaults), and each bucket's reduction overlaps the
+    rest of the backward pass (DeepSpeed turns overlap_comm on for ZeRO-3 only by default)."""
     offload = {"device": "cpu"} if args.offload else {"device": "none"}
-    zero3 = {
-        "offload_param": offload,
-        "stage3_param_persistence_threshold": 0,
-        "stage3_gather_16bit_weights_on_model_save": True,
-    }
-    ds_config = {
+    zero = {"stage": args.zero_stage, "offload_optimizer": offload, "reduce_bucket_size": BUCKET_ELEMENTS}
+    if args.zero_stage == 3:
+        zero |= {
+            "offload_param": offload,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        }
+    else:
+        zero["allgather_bucket_size"] = BUCKET_ELEMENTS
+    return {
         "train_micro_batch_size_per_gpu": args.micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": args.max_grad_norm,
         "bf16": {"enabled": on_gpu},
-        "zero_optimization": {
-            "stage": args.zero_stage,
-            "offload_optimizer": offload,
-            **(zero3 if args.zero_stage == 3 else {}),
-        },
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "communication_data_type": "fp32",
+        "zero_optimization": zero | {"overlap_comm": on_gpu},  # on CPU (gloo) there is no stream to overlap on
         "zero_force_ds_cpu_optimizer": False,  # torch AdamW: no compiled optimizer ops needed
         "steps_per_print": 10**9,
     }
+
+
+_zero3_loading = None  # transformers reads it through a weak reference: it must outlive the from_pretrained calls
+
+
+def load_model(args, dtype, ds_config: dict):
+    """The HF model. Under ZeRO-3 it is built and filled shard by shard (transformers' DeepSpeed integration: every
+    parameter is partitioned as it is created under deepspeed.zero.Init, then each layer is gathered, filled from the
+    memory-mapped checkpoint on rank 0 and re-partitioned), so no rank holds the whole model in its own memory."""
+    global _zero3_loading
+    if args.zero_stage == 3 and _zero3_loading is None:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        _zero3_loading = HfDeepSpeedConfig(ds_config)
+    return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+
+
+def make_policy(args, on_gpu: bool, grad_accum: int, updates_per_step: int):
+    """The policy being trained as a DeepSpeed engine (AdamW, the LR schedule), and the frozen reference policy
+    (only with --kl-coef > 0)."""
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    ds_config = deepspeed_config(args, on_gpu, grad_accum)
+    model = load_model(args, dtype, ds_config)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, updates_per_step))
     policy, _, _, scheduler = deepspeed.initialize(
@@ -206,8 +241,7 @@ def make_policy(args, on_gpu: bool, grad_accum: int, updates_per_step: int):
         "bf16": {"enabled": on_gpu},
         "zero_optimization": {"stage": args.zero_stage if args.zero_stage == 3 else 0},
     }
-    ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
-    ref_policy = deepspeed.initialize(model=ref_model, config=ref_config)[0]
+    ref_policy = deepspeed.initialize(model=load_model(args, dtype, ds_config), config=ref_config)[0]
     ref_policy.eval()
     return policy, scheduler, ref_policy
 
@@ -260,6 +294,25 @@ def import_vllm():
     except ImportError:
         raise SystemExit("error: vLLM is not installed; install it (requirements.txt) or pass --no-use-vllm")
     return LLM
+
+
+def check_vllm_memory(args, on_gpu: bool) -> None:
+    """A one-line error, before vLLM starts, when its memory budget is not free. vLLM's start-up check (0.32-0.33,
+    vllm/v1/worker/utils.py request_memory) asks that --vllm-gpu-memory-utilization x the GPU's total memory be free
+    at that moment, memory this process already holds included: the engine starts after the DeepSpeed engine, whose
+    weights (and ZeRO-2's fp32 master partition) are resident by then, while its optimizer states and gradient buffers
+    are allocated at the first step, when a sleeping engine (--vllm-sleep-level 1 or 2) has released its memory."""
+    if not on_gpu:
+        return
+    torch.cuda.empty_cache()  # as vLLM does before its snapshot: cached but unused blocks count as free
+    free, total = torch.cuda.mem_get_info()
+    fraction, gib = args.vllm_gpu_memory_utilization, 2**30
+    if free < fraction * total:
+        raise SystemExit(
+            f"error: --vllm-gpu-memory-utilization {fraction} asks for {fraction * total / gib:.1f} GiB of the GPU's "
+            f"{total / gib:.1f} GiB, but {free / gib:.1f} GiB are free after the DeepSpeed engine: lower it to at most "
+            f"{free / total - 0.02:.2f}, or make the policy smaller per GPU (--zero-stage 3, --offload)"
+        )
 
 
 def keep_vllm_cpu_weights() -> None:

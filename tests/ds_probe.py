@@ -1,0 +1,49 @@
+"""Run by tests/test_deepspeed.py under torchrun on CPU: the policy's DeepSpeed config and ZeRO-3 loading in the real
+DeepSpeed engine. `load`: the model is built partitioned (each rank holds its shards from the start) with exactly the
+checkpoint's weights. `bf16`: the GPU config (bf16 weights) accumulates and reduces gradients in fp32."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import deepspeed  # noqa: E402
+
+from grpo_vanilla import Args  # noqa: E402
+from utils import run  # noqa: E402
+
+
+def main(mode: str, model_dir: str, stage: int) -> None:
+    rank, _, world_size, _, _ = run.init_distributed()
+    args = Args(model_name_or_path=model_dir, zero_stage=stage, micro_batch_size=2)
+    if mode == "load":
+        model = run.load_model(args, torch.float32, run.deepspeed_config(args, False, 1))
+        saved = load_file(os.path.join(model_dir, "model.safetensors"))
+        for name, param in model.named_parameters():
+            assert hasattr(param, "ds_id") and param.ds_tensor.numel() <= -(-param.ds_numel // world_size), name
+            with deepspeed.zero.GatheredParameters([param]):
+                assert torch.equal(param.data, saved[name]), name
+    else:  # the config a GPU gets (bf16 weights), on CPU
+        config = run.deepspeed_config(args, True, 2)
+        model = run.load_model(args, torch.bfloat16, config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        policy = deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+        assert policy.communication_data_type == torch.float32 and policy.get_data_types()[1] == torch.float32
+        ids = torch.arange(24).view(2, 12) + 10 * rank
+        for micro in range(2):
+            policy.backward(policy(input_ids=ids, labels=ids).loss)
+            if micro == 1:  # the accumulated gradient partition, before the update consumes it
+                dtypes = {t.dtype for ts in policy.optimizer.averaged_gradients.values() for t in ts if t is not None}
+                assert dtypes == {torch.float32}, dtypes
+            policy.step()
+        assert policy.was_step_applied()
+    dist.barrier()
+    if rank == 0:
+        print(f"OK {mode} zero-{stage}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
