@@ -1,12 +1,13 @@
 """GPU throughput of the pieces of a GRPO step at Qwen2.5-1.5B's real dimensions (random weights, built from a config:
-no download), through the scripts' own functions (grpo_vanilla.response_logprobs, ppo_clip_loss, make_sampler,
-push_weights). Finishes in under 5 minutes on one H200.
+no download), through the scripts' own functions (utils.run.make_policy, grpo_vanilla.response_logprobs,
+ppo_clip_loss, make_sampler, push_weights). Meant to finish in under 5 minutes on one H200 (not yet run on one).
 
     python benchmarks/bench_gpu.py                  # one GPU: single process, DeepSpeed ZeRO-2 bf16 on NCCL
     python benchmarks/bench_gpu.py --tiny           # the same code path on CPU in seconds (fp32, gloo; used by a test)
 
 Measures, each printed as a row of one markdown table:
-1. training: DeepSpeed ZeRO-2 (bf16 on GPU, fp32 on CPU as in the scripts), gradient checkpointing, torch AdamW;
+1. training: the scripts' DeepSpeed engine (utils.run.make_policy: ZeRO-2, bf16 weights on GPU and fp32 on CPU,
+   gradients accumulated and reduced in fp32, overlap_comm on GPU, gradient checkpointing, fused torch AdamW);
    --seqs sequences of --seq-len tokens (prompt --prompt-len + response) per optimizer step, micro-batch
    --micro-batch-size, the PPO-clip loss over the response tokens from the chunked log-prob pass. Tokens/s counts all
    tokens of the sequences. MFU = model FLOPs / (time x --peak-tflops), with model FLOPs per token
@@ -18,10 +19,12 @@ Measures, each printed as a row of one markdown table:
 3. HF generate: --gen-seqs sequences x --gen-tokens new tokens (eos suppressed), tokens/s.
 4. vLLM (when installed and not --no-vllm): the same generation through the colocated engine, tokens/s, and the
    weight push (trainer -> engine, grpo_vanilla.push_weights) time.
+5. the sleep / wake / push cycle the scripts run every step on GPU (--vllm-sleep-level 1): sampler.sleep(level=1),
+   then push_weights(..., wake=True), the median of --repeats, and the GPU memory the sleep frees (n/a on CPU:
+   vLLM-CPU has no sleep mode, and the scripts sleep on GPU only).
 """
 
 import argparse
-import importlib
 import os
 import statistics
 import sys
@@ -116,55 +119,38 @@ def main():
     if a.tiny:
         a.seq_len, a.prompt_len, a.seqs, a.micro_batch_size, a.chunk_size = 64, 16, 4, 2, 32
         a.gen_seqs, a.gen_prompt_len, a.gen_tokens, a.hf_gen_tokens, a.repeats = 4, 8, 8, 8, 1
-    for key, default in (
-        ("RANK", "0"),
-        ("LOCAL_RANK", "0"),
-        ("WORLD_SIZE", "1"),
-        ("MASTER_ADDR", "127.0.0.1"),
-        ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
-    ):
-        os.environ.setdefault(key, default)
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))  # the rest: a world of one process
 
-    import deepspeed
     from bench_logprob_memory import measure as logprob_pass
-    from deepspeed.accelerator import get_accelerator
 
     import grpo_vanilla as gv
+    from utils import run
 
-    on_gpu = get_accelerator().device_name() != "cpu"
-    if not on_gpu:
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    _, _, _, device, on_gpu = run.init_distributed()
     dtype = torch.bfloat16 if on_gpu else torch.float32
     dims = TINY if a.tiny or not on_gpu else QWEN25_15B
     rows = []
 
-    # ---- model: random weights, saved so that vLLM can load the same ones ----
+    # ---- model: random weights, saved so that vLLM can load the same ones; the scripts' DeepSpeed engine ----
     t0 = time.perf_counter()
     model_dir = tempfile.mkdtemp(prefix="bench_gpu_model_")
     build_model_dir(dims, model_dir, dtype)
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    args = gv.Args(
+        model_name_or_path=model_dir,
+        micro_batch_size=a.micro_batch_size,
+        max_prompt_length=a.gen_prompt_len,
+        max_response_length=a.gen_tokens,
+        vllm_gpu_memory_utilization=a.vllm_memory,
+        vllm_sleep_level=1,  # as the scripts' default: on GPU the engine is built with sleep mode
+    )
+    grad_accum = a.seqs // a.micro_batch_size
+    engine = run.make_policy(args, on_gpu, grad_accum, updates_per_step=1)[0]
+    model = engine.module
     n_total = sum(q.numel() for q in model.parameters())
     n_matmul = n_total - model.get_input_embeddings().weight.numel() + dims["vocab_size"] * dims["hidden_size"]
     setup_s = time.perf_counter() - t0
 
-    # ---- 1. training step: DeepSpeed ZeRO-2, gradient checkpointing, chunked log-prob pass, PPO-clip loss ----
-    grad_accum = a.seqs // a.micro_batch_size
-    ds_config = {
-        "train_micro_batch_size_per_gpu": a.micro_batch_size,
-        "gradient_accumulation_steps": grad_accum,
-        "gradient_clipping": 1.0,
-        "bf16": {"enabled": on_gpu},
-        "zero_optimization": {"stage": 2},
-        "zero_force_ds_cpu_optimizer": False,
-        "steps_per_print": 10**9,
-    }
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    engine = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)[0]
+    # ---- 1. training step: the scripts' engine, gradient checkpointing, chunked log-prob pass, PPO-clip loss ----
     g = torch.Generator().manual_seed(0)
     V, R = dims["vocab_size"], a.seq_len - a.prompt_len
     prompts = [torch.randint(2, V, (a.prompt_len,), generator=g).tolist() for _ in range(a.seqs)]
@@ -190,7 +176,8 @@ def main():
         (
             "training step (ZeRO-2, grad. checkpointing)",
             f"{tokens / train_s:,.0f} tokens/s",
-            f"{train_s:.3f} s for {a.seqs} x {a.seq_len} tokens; {mfu}{peak_train}",
+            f"{train_s:.3f} s for {a.seqs} x {a.seq_len} tokens; {mfu}{peak_train}; utils.run.make_policy "
+            "(fp32 grad. accumulation and reduction, fused AdamW)",
         )
     )
 
@@ -257,13 +244,6 @@ def main():
 
         if on_gpu:
             torch.cuda.empty_cache()
-        args = gv.Args(
-            model_name_or_path=model_dir,
-            max_prompt_length=a.gen_prompt_len,
-            max_response_length=a.gen_tokens,
-            vllm_gpu_memory_utilization=a.vllm_memory,
-            vllm_sleep_level=0,
-        )
         llm = gv.make_sampler(args, 0, on_gpu)
         params = SamplingParams(
             n=1, temperature=1.0, max_tokens=a.gen_tokens, ignore_eos=True, detokenize=False, seed=0
@@ -279,6 +259,33 @@ def main():
             )
         )
         rows.append(("weight push (trainer -> vLLM)", f"{push_s:.3f} s", f"{n_total / 1e6:,.1f}M parameters"))
+
+        # ---- 5. the scripts' per-step cycle on GPU: sleep after the rollouts, wake + push after training ----
+        cycle = "sleep / wake / push cycle (level 1)"
+        if on_gpu:
+            sleeps, wakes, freed = [], [], []
+            for _ in range(a.repeats):
+                torch.cuda.synchronize()
+                free_before, start = torch.cuda.mem_get_info()[0], time.perf_counter()
+                llm.sleep(level=1)
+                torch.cuda.synchronize()
+                slept = time.perf_counter()
+                freed.append(torch.cuda.mem_get_info()[0] - free_before)
+                gv.push_weights(engine, llm, 2, wake=True)
+                torch.cuda.synchronize()
+                sleeps.append(slept - start)
+                wakes.append(time.perf_counter() - slept)
+            sleep_s, wake_s = statistics.median(sleeps), statistics.median(wakes)
+            rows.append(
+                (
+                    cycle,
+                    f"{sleep_s + wake_s:.3f} s",
+                    f"sleep {sleep_s:.3f} s (frees {statistics.median(freed) / 2**30:.1f} GiB), "
+                    f"wake + push {wake_s:.3f} s (push_weights(..., wake=True))",
+                )
+            )
+        else:
+            rows.append((cycle, "n/a on CPU", "vLLM-CPU has no sleep mode; the scripts sleep on GPU only"))
 
     where = torch.cuda.get_device_name(0) if on_gpu else "CPU"
     print(
