@@ -1,6 +1,8 @@
 """utils.reward: boxed-answer extraction, math-verify grading on real data, and bounded time on pathological input."""
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -14,7 +16,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere, with or without `python -m`
 
 from utils.data import load_problems  # noqa: E402
-from utils.reward import TIMEOUT_S, batch_grade, grade, has_boxed, last_boxed, math_reward  # noqa: E402
+from utils.reward import (  # noqa: E402
+    TIMEOUT_S,
+    WORKER_HANG_S,
+    WORKER_SLACK_S,
+    batch_grade,
+    default_grading_workers,
+    grade,
+    grade_all,
+    has_boxed,
+    last_boxed,
+    math_reward,
+)
 
 DATA = ROOT / "benchmarks" / "data"
 SLACK_S = 0.5
@@ -101,7 +114,7 @@ def test_pathological_main_thread(response, answer):
 
 
 def test_pathological_other_thread():
-    """Outside the main thread grading goes through a subprocess, killed if it overruns: it still returns in time."""
+    """Outside the main thread grading goes through a subprocess under the same CPU-time budget: it still returns."""
     results = []
     cases = PATHOLOGICAL[:1] + [("\\boxed{2}", "2")]
     thread = threading.Thread(target=lambda: results.extend(_grade_timed([("\\boxed{1}", "1")] + cases)))
@@ -110,7 +123,7 @@ def test_pathological_other_thread():
     assert not thread.is_alive()
     warmup, tower, plain = results  # the first call also starts the worker
     assert warmup[:2] == (1.0, "ok") and plain[:2] == (1.0, "ok")
-    assert tower[0] == 0.0 and tower[2] < TIMEOUT_S + SLACK_S + 0.5, tower
+    assert tower[:2] == (0.0, "timeout") and tower[2] < WORKER_HANG_S, tower  # ~TIMEOUT_S of wall time when idle
 
 
 def test_restores_caller_alarm():
@@ -136,3 +149,129 @@ def test_first_grade_in_a_fresh_process_does_not_pay_the_import_against_its_budg
     code = "from utils.reward import grade; print(grade('so \\\\boxed{2}', '2', timeout=0.3))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "(1.0, 'ok')", out.stderr[-2000:]
+
+
+TOWER = "\\boxed{9^{9^{9^{9^9}}}}"
+MIXED = [  # (response, answer, verdict): every status, interleaved across workers
+    ("so \\boxed{\\frac{1}{2}}.", "0.5", (1.0, "ok")),
+    ("\\boxed{3}", "4", (0.0, "ok")),
+    ("The answer is 4.", "4", (0.0, "no_box")),
+    (TOWER, "1", (0.0, "timeout")),
+    ("\\boxed{\\frac{}{}}", "2", (0.0, "ok")),  # unparsable answer: wrong
+    ("\\boxed{3}", "", (0.0, "error")),  # unparsable gold
+    ("", "1", (0.0, "no_box")),
+    ("x" * 100_000 + " \\boxed{27}", "27.0", (1.0, "ok")),  # long text
+    ("\\boxed{1, 3, 5}", "1,3,5", (1.0, "ok")),
+]
+TEXTS, ANSWERS, VERDICTS = (list(column) for column in zip(*MIXED))
+
+
+def worker_pids(parent=None):
+    """Live grading subprocesses (`utils/reward.py --worker`) whose parent is `parent` (default: this process)."""
+    parent, pids = parent or os.getpid(), set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError):
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            if int(ppid) == parent and state != "Z" and b"--worker" in (stat.parent / "cmdline").read_bytes():
+                pids.add(int(stat.parent.name))
+    return pids
+
+
+def test_grade_all_matches_serial_and_reuses_its_workers():
+    """2 workers give serial grade()'s verdicts in order; the timeout is the worker's own timer (it is not replaced);
+    a second call reuses the same processes, which did not import torch."""
+    assert [grade(text, answer) for text, answer in zip(TEXTS, ANSWERS)] == VERDICTS
+    assert grade_all(TEXTS, ANSWERS, workers=2) == VERDICTS
+    pool = worker_pids()
+    assert len(pool) == 2
+    assert grade_all(TEXTS[:3] * 4, ANSWERS[:3] * 4, workers=2) == VERDICTS[:3] * 4
+    assert worker_pids() == pool
+    for pid in pool:
+        assert "/torch/" not in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_grade_all_replaces_a_killed_worker():
+    """A worker killed mid-answer gives "error" for that answer and is replaced (and reaped); one killed while idle is
+    replaced before it is given an answer, which grades as usual."""
+    grade_all(["\\boxed{1}"] * 2, ["1"] * 2, workers=2)  # warm: both workers running
+    before = worker_pids()
+    killer = threading.Timer(0.5, lambda: [os.kill(pid, signal.SIGKILL) for pid in before])
+    killer.start()
+    assert grade_all([TOWER] * 2, ["1"] * 2, workers=2) == [(0.0, "error")] * 2
+    killer.join()
+    assert grade_all(["\\boxed{2}"] * 4, ["2"] * 4, workers=2) == [(1.0, "ok")] * 4
+    replaced = worker_pids()
+    assert len(replaced) == 2 and not replaced & before
+    assert not any(Path(f"/proc/{pid}").exists() for pid in before)  # reaped, not zombies
+    for pid in replaced:
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(0.2)  # let them die while idle
+    assert grade_all(["\\boxed{2}", "\\boxed{3}"] * 2, ["2"] * 4, workers=2) == [(1.0, "ok"), (0.0, "ok")] * 2
+    assert len(worker_pids()) == 2
+
+
+def test_grade_all_waits_for_a_worker_that_gets_no_cpu():
+    """The budget is the worker's CPU time, not wall time: a worker kept off the CPU (stopped) for longer than the
+    budget still answers, as a slow machine would make it, and keeps its verdict."""
+    grade_all(["\\boxed{1}"] * 2, ["1"] * 2, workers=2)  # warm
+    pids = worker_pids()
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    resume = threading.Timer(TIMEOUT_S + WORKER_SLACK_S + 0.5, lambda: [os.kill(pid, signal.SIGCONT) for pid in pids])
+    resume.start()
+    start = time.monotonic()
+    assert grade_all(["\\boxed{2}", "\\boxed{3}"], ["2", "2"], workers=2) == [(1.0, "ok"), (0.0, "ok")]
+    assert time.monotonic() - start > TIMEOUT_S + WORKER_SLACK_S and worker_pids() == pids
+    resume.join()
+
+
+def test_grade_all_one_worker_is_serial():
+    before = worker_pids()
+    for workers in (1, 0):
+        assert grade_all(TEXTS[4:], ANSWERS[4:], workers) == VERDICTS[4:]
+    assert worker_pids() == before  # no subprocess: grade() in this (main) thread
+
+
+def test_grade_all_workers_end_with_the_interpreter():
+    """At exit the workers are killed and reaped, and the exit does not wait on them."""
+    code = "import sys; from utils.reward import grade_all; print(grade_all(['\\\\boxed{1}'] * 2, ['1'] * 2, 2))"
+    code += "; sys.stdin.read()  # until the test closes it"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "[(1.0, 'ok'), (1.0, 'ok')]"
+    workers = worker_pids(proc.pid)
+    assert len(workers) == 2
+    proc.stdin.close()
+    assert proc.wait(timeout=10) == 0
+    assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
+
+
+def test_default_grading_workers(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert default_grading_workers() == cores
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # the deepspeed launcher's name
+    assert default_grading_workers() == max(1, cores // 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores + 1))  # torchrun's; more ranks than cores
+    assert default_grading_workers() == 1
+
+
+def test_grade_all_in_a_forked_child():
+    """A child forked after the pool started (its threads are not copied) makes its own pool rather than hang, and
+    the parent keeps grading after the child exits."""
+    code = """if True:
+        import os
+        from utils.reward import grade_all
+        grade_all(['\\\\boxed{1}'] * 2, ['1'] * 2, 2)
+        if os.fork() == 0:
+            print(grade_all(['\\\\boxed{2}'] * 2, ['2'] * 2, 2), flush=True)
+            raise SystemExit  # a normal exit: atexit runs in the child too
+        os.wait()
+        print(grade_all(['\\\\boxed{1}', '\\\\boxed{3}'], ['1', '1'], 2))
+    """
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split("\n")[:2] == ["[(1.0, 'ok'), (1.0, 'ok')]", "[(1.0, 'ok'), (0.0, 'ok')]"], out.stderr[
+        -2000:
+    ]

@@ -13,16 +13,20 @@ import sys
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 TIMEOUT_S = 1.5
-"""CPU-time budget for grading one response (seconds of this process's CPU time, so the verdict does not depend on
-how busy the machine is); pathological answers such as 9^{9^{9^{9^9}}} use it all."""
+"""CPU-time budget for grading one response (seconds of the grading process's CPU time, so the verdict does not depend
+on how busy the machine is; all of its threads count); pathological answers such as 9^{9^{9^{9^9}}} use it all."""
 MAX_ANSWER_CHARS = 1000
 """Boxed answers longer than this are graded wrong without parsing (gold answers are far shorter)."""
 WORKER_START_TIMEOUT_S = 60.0
 """How long a non-main thread waits for its grading subprocess to start (python + math-verify import)."""
 WORKER_SLACK_S = 0.5
-"""Extra time a non-main thread gives its subprocess over TIMEOUT_S before killing it."""
+"""Extra CPU time a grading subprocess gets over TIMEOUT_S before it is killed (its own timer should fire first)."""
+WORKER_HANG_S = 30.0
+"""Wall time after which a grading subprocess that has not answered is killed however little CPU time it used."""
 
 STATUSES = ("ok", "no_box", "timeout", "error")
 """grade() statuses: graded (right or wrong), no \\boxed{} answer, out of time, grader exception or unparsable gold."""
@@ -124,6 +128,9 @@ def _verify_in_worker(content: str, answer: str, timeout: float) -> tuple[float,
     """Outside the main thread signals are unavailable: grade in this thread's own subprocess, killed if it overruns."""
     worker = getattr(_local, "worker", None)
     try:
+        if worker is not None and worker.poll() is not None:  # died while idle: replace it, this answer is not to blame
+            _stop(worker)
+            worker = None
         if worker is None:
             worker = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--worker"],
@@ -134,13 +141,11 @@ def _verify_in_worker(content: str, answer: str, timeout: float) -> tuple[float,
             )
             _local.worker = worker
             weakref.finalize(threading.current_thread(), _stop, worker)  # ends with its thread, or at exit
-            if not _readline(worker, WORKER_START_TIMEOUT_S):  # the worker says "ready" once math-verify is imported
-                raise TimeoutError("grading worker did not start")
+            ready = _readline(worker, WORKER_START_TIMEOUT_S)  # "ready" once math-verify is imported
+            if not ready:
+                raise (TimeoutError if ready is None else RuntimeError)("grading worker did not start")
         worker.stdin.write(json.dumps([content, answer, timeout]) + "\n")
-        line = _readline(worker, timeout + WORKER_SLACK_S)
-        if line is None:
-            raise TimeoutError("grading worker overran its budget")
-        reward, status = json.loads(line)
+        reward, status = json.loads(_read_answer(worker, timeout + WORKER_SLACK_S))
         return float(reward), status
     except Exception as e:
         if worker is not None:
@@ -149,8 +154,32 @@ def _verify_in_worker(content: str, answer: str, timeout: float) -> tuple[float,
         return 0.0, "timeout" if isinstance(e, TimeoutError) else "error"
 
 
+def _read_answer(proc: subprocess.Popen, cpu_budget: float) -> str:
+    """proc's next line; TimeoutError once proc has used cpu_budget more CPU seconds (wall seconds where /proc is
+    missing) or WORKER_HANG_S wall seconds without answering, so a busy machine does not turn slow answers into
+    timeouts; RuntimeError if proc died."""
+    start, start_cpu = time.monotonic(), _cpu_seconds(proc.pid)
+    while (line := _readline(proc, 0.1)) is None:  # look at its CPU time every 0.1 s
+        cpu = _cpu_seconds(proc.pid)
+        used = time.monotonic() - start if cpu is None or start_cpu is None else cpu - start_cpu
+        if used > cpu_budget or time.monotonic() - start > WORKER_HANG_S:
+            raise TimeoutError("grading worker overran its budget")
+    if not line:
+        raise RuntimeError("grading worker died")
+    return line
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds a process has used (Linux /proc), or None where that is not available."""
+    try:
+        utime, stime = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13]
+        return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+
+
 def _stop(proc: subprocess.Popen):
-    """Kill a grading subprocess and close its pipes."""
+    """Kill a grading subprocess, reap it and close its pipes."""
     proc.kill()
     proc.wait()
     for pipe in (proc.stdin, proc.stdout):
@@ -159,10 +188,9 @@ def _stop(proc: subprocess.Popen):
 
 
 def _readline(proc: subprocess.Popen, timeout: float) -> str | None:
-    """One line from proc's stdout, or None if none comes within timeout or the process died."""
+    """One line from proc's stdout; "" if it closed it (died), None if no line comes within timeout."""
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    line = proc.stdout.readline() if ready else ""
-    return line or None
+    return proc.stdout.readline() if ready else None
 
 
 def _worker_main():
@@ -179,8 +207,8 @@ def grade(response: str, answer: str, timeout: float = TIMEOUT_S) -> tuple[float
     """(reward, status): 1.0 if the last \\boxed{} answer equals `answer` per math-verify; status in STATUSES; no raise.
 
     In the main thread a profiling interval timer (SIGPROF) bounds the CPU time; in other threads a per-thread
-    subprocess does the grading under the same timer and is killed if it overruns in wall time (its first call also
-    waits for it to start, about half a second).
+    subprocess does the grading under the same timer and is killed if it overruns anyway (its first call also waits
+    for it to start, about half a second).
     """
     try:
         content = last_boxed(response)
@@ -215,6 +243,39 @@ def batch_grade(responses: list[str], answers: list[str], timeout: float = TIMEO
 def batch_math_reward(responses: list[str], answers: list[str], timeout: float = TIMEOUT_S) -> list[float]:
     """math_reward for paired lists of responses and answers."""
     return batch_grade(responses, answers, timeout)[0]
+
+
+def default_grading_workers() -> int:
+    """grade_all's worker count for one training process: the CPU cores it may run on, shared among the processes of
+    this node (LOCAL_WORLD_SIZE from torchrun, LOCAL_SIZE from the deepspeed launcher), at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    return max(1, cores // local_ranks)
+
+
+@functools.cache
+def _grading_threads(workers: int) -> ThreadPoolExecutor:
+    """One long-lived thread per grading subprocess: each grades through its own (see _verify_in_worker)."""
+    return ThreadPoolExecutor(workers, thread_name_prefix="grading")
+
+
+os.register_at_fork(after_in_child=_grading_threads.cache_clear)  # a forked child has none of the pool's threads
+
+
+def grade_all(texts: list[str], answers: list[str], workers: int) -> list[tuple[float, str]]:
+    """[grade(text, answer)] for paired texts and answers, in input order, in `workers` grading subprocesses.
+
+    workers <= 1 grades serially in this process (grade() in the calling thread). Otherwise a pool of `workers` threads,
+    made on the first call and reused, each drives its own `python utils/reward.py --worker` (a fresh interpreter that
+    imports only this file and math-verify, not torch or the caller's script: safe from a multi-threaded distributed
+    training process). Each answer gets the same TIMEOUT_S of CPU time from the same timer, in the subprocess; one that
+    overruns or crashes is killed and replaced, its answer "timeout" or "error". The subprocesses start on first use
+    (~0.5 s each, in parallel) and are killed at interpreter exit.
+    """
+    pairs = list(zip(texts, answers, strict=True))
+    if workers <= 1:
+        return [grade(text, answer) for text, answer in pairs]
+    return list(_grading_threads(workers).map(lambda pair: grade(*pair), pairs))
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
