@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from utils import checkpoints, run
 from utils.data import check_model, eval_prompts, load_tokenizer, step_prompt_indices, tokenized_prompts
-from utils.reward import grade
+from utils.reward import default_grading_workers, grade_all
 
 
 @dataclass
@@ -56,6 +56,8 @@ class Args:
     # Model and data
     model_name_or_path: str = "Qwen/Qwen2.5-Math-1.5B"
     """the policy to train: a hub id or a local HF directory"""
+    attn_implementation: str = "sdpa"
+    """the policy's attention in transformers: sdpa, eager, or flash_attention_2 (GPUs, with flash-attn installed)"""
     dataset: str = "DigitalLearningGmbH/MATH-lighteval"
     """training prompts: a hub id or a local .jsonl/.json/.parquet file (default: MATH's 7,500 training problems)"""
     dataset_split: str | None = None
@@ -90,6 +92,9 @@ class Args:
     """sampling temperature; log-probs and entropies are computed at this temperature"""
     top_p: float = 1.0
     """nucleus sampling: must be 1 (checked), the loss's log-probs and entropy are of the full softmax"""
+    grading_workers: int = 0
+    """processes grading the rewards in parallel, each answer within its CPU-time limit (0: this rank's share of the
+    node's cores; 1: one by one in the training process)"""
     use_vllm: bool = True
     """generate with a colocated vLLM engine in every rank; `--no-use-vllm` uses HF generate"""
     vllm_gpu_memory_utilization: float = 0.5
@@ -118,6 +123,12 @@ class Args:
     """passes over each rollout batch"""
     micro_batch_size: int = 4
     """sequences per forward/backward on each rank (gradient accumulation fills the mini-batch)"""
+    max_tokens_per_micro_batch: int = 0
+    """instead of --micro-batch-size: micro-batches of at most this many tokens (prompt + response), as few as each
+    rank's share of a mini-batch needs and as many on every rank; 0: --micro-batch-size sequences each"""
+    padding_free: bool = False
+    """each micro-batch's sequences in one row without padding, positions restarting per sequence (attention stays
+    within each: flash-attention-2's varlen kernel, or a block-causal mask with sdpa/eager)"""
     clip_eps_low: float = 0.2
     """PPO lower clip: ratio >= 1 - eps_low"""
     clip_eps_high: float = 0.2
@@ -273,9 +284,9 @@ def chunked_logprobs_entropy(
 
 def response_logprobs(model, batch, temperature, chunk_size, with_entropy, num_chunks=None, extra=None):
     """Per-token log-probs, entropies and extra values of the response tokens of a collated batch, in order."""
-    ids, mask = batch["input_ids"], batch["attention_mask"]
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids") if key in batch}
     # logits_to_keep=1: the head runs chunk by chunk below, not over [batch, time, vocab]
-    output = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1, use_cache=False)
+    output = model(**inputs, output_hidden_states=True, logits_to_keep=1, use_cache=False)
     target_mask = batch["response_mask"][:, 1:]
     hidden = output.hidden_states[-1][:, :-1][target_mask]
     targets = batch["input_ids"][:, 1:][target_mask]
@@ -283,20 +294,28 @@ def response_logprobs(model, batch, temperature, chunk_size, with_entropy, num_c
     return chunked_logprobs_entropy(hidden, head, targets, temperature, chunk_size, with_entropy, num_chunks, extra)
 
 
-def collate(prompts: list, responses: list, pad_id: int, device, advantages=None) -> dict:
-    """Right-padded prompt+response sequences with their attention and response masks, the response lengths (CPU)
-    and, given one advantage per sequence, the advantage of every response token."""
-    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    response_mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        input_ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-        attention_mask[i, : len(p) + len(r)] = 1
-        response_mask[i, len(p) : len(p) + len(r)] = True
-    lengths = torch.tensor([len(r) for r in responses])
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
-    batch = {key: tensor.to(device) for key, tensor in batch.items()} | {"lengths": lengths}
+def collate(prompts: list, responses: list, pad_id: int, device, advantages=None, packed=False, index=None) -> dict:
+    """Prompt+response sequences, right-padded rows with their attention mask, or `packed`: one row without padding,
+    positions restarting per sequence; the response mask, the response lengths (CPU), given one advantage per
+    sequence each response token's, and `index` (the samples' positions in the step). No sequences: a one-token row
+    without response (an empty micro-batch)."""
+    rows = [p + r for p, r in zip(prompts, responses)] or [[pad_id]]
+    masks = [[False] * len(p) + [True] * len(r) for p, r in zip(prompts, responses)] or [[False]]
+    positions = [list(range(len(row))) for row in rows]
+    if packed:
+        rows, masks, positions = ([[x for row in part for x in row]] for part in (rows, masks, positions))
+    width = max(map(len, rows))
+
+    def padded(values: list, fill) -> torch.Tensor:
+        return torch.tensor([v + [fill] * (width - len(v)) for v in values])
+
+    batch = {"input_ids": padded(rows, pad_id), "response_mask": padded(masks, False)}
+    if packed:  # no attention mask: transformers tells the sequences apart by their restarting positions
+        batch["position_ids"] = padded(positions, 0)
+    else:
+        batch["attention_mask"] = padded([[1] * len(row) for row in rows], 0)
+    lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
+    batch = {key: tensor.to(device) for key, tensor in batch.items()} | {"lengths": lengths, "index": index}
     if advantages is not None:
         batch["advantages"] = advantages.to(device).repeat_interleave(lengths.to(device))
     return batch
@@ -389,11 +408,10 @@ def evaluate(args, sampler, policy, tokenizer, eval_data: list, logprobs, group=
     dist.all_reduce(calls, op=dist.ReduceOp.MAX)
     with torch.no_grad():
         for s in range(0, int(calls.item()) * mbs, mbs):
-            chunk = [x.ids for x in sampled[s : s + mbs]]
-            seq_prompts = [prompts[k // n] for k in range(s, s + len(chunk))] if chunk else [eval_data[0][0]]
-            batch = collate(seq_prompts, chunk or [[tokenizer.eos_token_id]], tokenizer.pad_token_id, device)
-            token_entropy = logprobs(policy, batch, with_entropy=True)[1]  # out of samples: a dummy call
-            entropies += [e.sum().item() for e in token_entropy.split(batch["lengths"].tolist())] if chunk else []
+            chunk = [x.ids for x in sampled[s : s + mbs]]  # past this rank's samples: an empty micro-batch
+            batch = collate([prompts[k // n] for k in range(s, s + len(chunk))], chunk, tokenizer.pad_token_id, device)
+            token_entropy = logprobs(policy, batch, with_entropy=True)[1]
+            entropies += [e.sum().item() for e in token_entropy.split(batch["lengths"].tolist())]
     return run.eval_metrics(tokenizer, shard, greedy, sampled, n, entropies, eval_data, device)
 
 
@@ -421,6 +439,7 @@ if __name__ == "__main__":
     # the policy (DeepSpeed engine), the reference policy, the sampler (vLLM engine)
     G, mbs, clip = args.group_size, args.micro_batch_size, (args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c)
     updates_per_step = args.num_mini_batches * args.num_epochs
+    grading_workers = args.grading_workers or default_grading_workers()
     separate_pass = updates_per_step > 1 or args.kl_coef > 0  # else the training forward computes the old log-probs
     grad_accum = args.num_prompts_per_step // (args.num_mini_batches * world_size) * G // mbs  # micro-batches/update
     policy, scheduler, ref_policy = run.make_policy(args, on_gpu, grad_accum, updates_per_step)
@@ -429,7 +448,8 @@ if __name__ == "__main__":
     if resumed:
         start_step, method_state = checkpoints.load(policy, resumed, rank)
     # ZeRO-3 gathers weights per call, so every rank calls the head equally often (bounded by the longest batch)
-    calls = math.ceil(mbs * args.max_response_length / args.logprob_chunk_size) if args.zero_stage == 3 else None
+    micro_tokens = args.max_tokens_per_micro_batch or mbs * args.max_response_length
+    calls = math.ceil(micro_tokens / args.logprob_chunk_size) if args.zero_stage == 3 else None
 
     def logprobs(model, batch, with_entropy=False, extra=None):
         return response_logprobs(model, batch, args.temperature, args.logprob_chunk_size, with_entropy, calls, extra)
@@ -461,13 +481,20 @@ if __name__ == "__main__":
         # ---- reward and advantages; the micro-batches, collated once ----
         seq_prompts, responses = [prompts[k // G] for k in range(len(samples))], [s.ids for s in samples]
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        graded = [grade(text, answers[k // G]) for k, text in enumerate(texts)]
+        t0 = time.time()
+        graded = grade_all(texts, [answers[k // G] for k in range(len(texts))], grading_workers)
+        metrics["time/reward"] = time.time() - t0
         rewards = torch.tensor([r for r, _ in graded], dtype=torch.float32).view(-1, G)
         advantages = group_advantages(rewards, args.scale_rewards).flatten()
-        slices = [slice(s, s + mbs) for s in range(0, len(samples), mbs)]  # mini-batch m: grad_accum of them
-        batches = [collate(seq_prompts[i], responses[i], tokenizer.pad_token_id, device, advantages[i]) for i in slices]
-        sampler_logp = torch.tensor([x for s in samples for x in s.sampler_logps or []], device=device)  # vLLM only
-        sampler_logps = sampler_logp.split([int(b["lengths"].sum()) for b in batches]) if sampler is not None else []
+        groups = run.micro_batches([len(p) + len(r) for p, r in zip(seq_prompts, responses)], args, device)
+        minis = [range(sum(map(len, groups[:m])), sum(map(len, groups[: m + 1]))) for m in range(len(groups))]
+        indices = [g for mini in groups for g in mini]  # each micro-batch's samples; mini-batch m: minis[m]
+        parts = [([seq_prompts[k] for k in g], [responses[k] for k in g], advantages[g], g) for g in indices]
+        batches = [collate(p, r, tokenizer.pad_token_id, device, a, args.padding_free, g) for p, r, a, g in parts]
+        if sampler is not None:  # the sampler's log-probs of each micro-batch's tokens, in its order
+            sampler_logps = [
+                torch.tensor([x for k in g for x in samples[k].sampler_logps], device=device) for g in indices
+            ]
 
         # ---- log-prob pass: the sampling policy's log-probs and entropy, the reference policy's log-probs ----
         # a single on-policy update without reference policy skips it: its training forward gives them (old = current)
@@ -479,7 +506,7 @@ if __name__ == "__main__":
                 for batch in batches:
                     logp, entropy, _ = logprobs(policy, batch, with_entropy=True)
                     old_logps.append(logp)
-                    sums["entropy"] += entropy.sum().item()
+                    sums["entropy"] += entropy.sum().double()
                     if ref_policy is not None:
                         ref_logps.append(logprobs(ref_policy, batch)[0])
         metrics["time/logprob"] = time.time() - t0
@@ -489,7 +516,7 @@ if __name__ == "__main__":
         grad_norms, skipped = [], 0
         for epoch in range(args.num_epochs):
             for m in range(args.num_mini_batches):
-                mb = range(m * grad_accum, (m + 1) * grad_accum)
+                mb = minis[m]
                 mb_lengths = torch.cat([batches[i]["lengths"] for i in mb])
                 totals = run.all_reduce_sums({"tokens": mb_lengths.sum().item(), "seqs": len(mb_lengths)}, device)
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
@@ -498,7 +525,7 @@ if __name__ == "__main__":
                     logp, entropy, _ = logprobs(policy, batch, with_entropy=not separate_pass)
                     if not separate_pass:  # the weights that sampled the batch: their log-probs are the old ones
                         old_logps.append(logp.detach())
-                        sums["entropy"] += entropy.sum().item()
+                        sums["entropy"] += entropy.sum().double()
                     old_logp, adv = old_logps[i], batch["advantages"]
                     weights = token_weights(batch["lengths"], *aggregation).to(device)
                     token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)
@@ -508,16 +535,17 @@ if __name__ == "__main__":
                         log_ratio = ref_logps[i] - logp
                         ref_kl = torch.exp(log_ratio) - log_ratio - 1  # k3 estimator
                         token_loss = token_loss + args.kl_coef * ref_kl
-                        sums["ref_kl"] += (ref_kl.detach() * weights).sum().item()
+                        sums["ref_kl"] += (ref_kl.detach() * weights).sum().double()
                     loss = (token_loss * weights).sum()
                     # DeepSpeed divides by the accumulation steps and averages over ranks; the weights already normalise
+                    policy.set_gradient_accumulation_boundary(i == mb[-1])  # the update: after the last
                     policy.backward(loss * grad_accum * world_size)
                     policy.step()
                     with torch.no_grad():
                         log_ratio = logp - old_logp
-                        sums["loss"] += loss.item()
-                        sums["clipped"] += (clipped.float() * weights).sum().item()
-                        sums["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * weights).sum().item()
+                        sums["loss"] += loss.detach().double()
+                        sums["clipped"] += (clipped.float() * weights).sum().double()
+                        sums["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * weights).sum().double()
                 if policy.was_step_applied():
                     grad_norms.append(float(policy.get_global_grad_norm()))  # already global: the same on every rank
                 else:  # a non-finite gradient on any rank: DeepSpeed skipped this update on every rank
@@ -535,6 +563,7 @@ if __name__ == "__main__":
         # ---- metrics: sums over ranks, then means ----
         old_logp = torch.cat(old_logps)
         sums.update(seqs=len(samples), tokens=old_logp.numel(), prompt_tokens=sum(len(p) for p in seq_prompts))
+        sums["positions"] = sum(batch["input_ids"].numel() for batch in batches)  # padding included
         sums.update(reward=rewards.sum().item(), correct=(rewards == 1).sum().item(), groups=rewards.shape[0])
         statuses = [status for _, status in graded]
         sums.update(
@@ -543,7 +572,8 @@ if __name__ == "__main__":
         sums.update(truncated=sum(s.truncated for s in samples), all_equal=(rewards.std(dim=1) == 0).sum().item())
         sums["nll"] = -old_logp.sum().item()
         if sampler is not None:  # the sampler's log-probs against the trainer's, the correction's weights (C 0: none)
-            ratio, cap = torch.exp(old_logp.float() - sampler_logp), args.vllm_is_cap or math.inf
+            sampler_logp, cap = torch.cat(sampler_logps), args.vllm_is_cap or math.inf
+            ratio = torch.exp(old_logp.float() - sampler_logp)
             sums.update(gap=(sampler_logp - old_logp.float()).abs().sum().item(), is_clipped=(ratio > cap).sum().item())
             sums["is_weight"] = ratio.clamp(max=cap).sum().item()
         g = run.all_reduce_sums(sums, device)
@@ -570,6 +600,7 @@ if __name__ == "__main__":
                 "charts/lr": scheduler.get_last_lr()[0],
                 "time/step": step_time,
                 "charts/tokens_per_second": (g["tokens"] + g["prompt_tokens"]) / step_time,
+                "charts/padding_frac": 1 - (g["tokens"] + g["prompt_tokens"]) / g["positions"],
             }
         )
         if sampler is not None:

@@ -47,12 +47,16 @@ RESUME_MAY_CHANGE = {
     "eval_num_prompts",
     "eval_samples",
     "micro_batch_size",
+    "max_tokens_per_micro_batch",
+    "padding_free",
+    "attn_implementation",
     "logprob_chunk_size",
     "offload",
     "gradient_checkpointing",
     "vllm_gpu_memory_utilization",
     "vllm_sleep_level",
     "max_bad_steps",
+    "grading_workers",
 }
 
 
@@ -107,6 +111,7 @@ def check_args(args, world_size: int, method_checks=()) -> None:
         "eval_samples": 0,
         "save_every": 0,
         "keep_checkpoints": 1,
+        "grading_workers": 0,
     }
     for name, low in at_least.items():
         check(getattr(args, name) >= low, f"{flag(name)} must be >= {low} (got {getattr(args, name)})")
@@ -143,16 +148,51 @@ def check_args(args, world_size: int, method_checks=()) -> None:
         f"sequences per rank and mini-batch ({local_sequences} = prompts per step / (mini-batches x world size) x "
         "group size)",
     )
+    longest = args.max_prompt_length + args.max_response_length
+    check(
+        args.max_tokens_per_micro_batch == 0 or args.max_tokens_per_micro_batch >= longest,
+        f"--max-tokens-per-micro-batch ({args.max_tokens_per_micro_batch}) must be 0 or hold the longest sequence, "
+        f"--max-prompt-length + --max-response-length = {longest}",
+    )
     for ok, message in method_checks:
         check(ok, message)
 
 
 def all_reduce_sums(values: dict, device) -> dict:
-    """Sum every value over all ranks (keys in a fixed order on every rank)."""
+    """Sum every value (a number, or a one-element tensor on the device) over all ranks, keys in a fixed order on
+    every rank: one collective and one read of the results, so statistics can stay on the device until then."""
     keys = sorted(values)
-    tensor = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    tensor = torch.stack([torch.as_tensor(values[k], dtype=torch.float64, device=device).reshape(()) for k in keys])
     dist.all_reduce(tensor)
     return dict(zip(keys, tensor.tolist()))
+
+
+def micro_batches(sizes: list, args, device) -> list:
+    """This rank's micro-batches of each optimizer mini-batch, as lists of sample indices (`sizes`: each sample's
+    prompt + response tokens). Mini-batch m holds samples [m L, (m + 1) L), L = samples / --num-mini-batches, split
+    into --micro-batch-size consecutive samples; or, with --max-tokens-per-micro-batch N, into as few groups of at
+    most N tokens as first-fit-decreasing finds, padded with empty micro-batches to the most any rank needs (every
+    rank runs as many forward and backward passes: ZeRO gathers or reduces in each)."""
+    size, budget = len(sizes) // args.num_mini_batches, args.max_tokens_per_micro_batch
+    minis = [range(m * size, (m + 1) * size) for m in range(args.num_mini_batches)]
+    if not budget:
+        return [
+            [list(mini[s : s + args.micro_batch_size]) for s in range(0, size, args.micro_batch_size)] for mini in minis
+        ]
+    groups = []
+    for mini in minis:
+        bins, loads = [], []
+        for k in sorted(mini, key=lambda k: -sizes[k]):  # longest first; a stable sort: ties in sample order
+            fit = next((b for b, load in enumerate(loads) if load + sizes[k] <= budget), len(bins))
+            if fit == len(bins):
+                bins.append([])
+                loads.append(0)
+            bins[fit].append(k)
+            loads[fit] += sizes[k]
+        groups.append([sorted(b) for b in bins])
+    counts = torch.tensor([len(g) for g in groups], device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    return [g + [[] for _ in range(int(n) - len(g))] for g, n in zip(groups, counts.tolist())]
 
 
 def lr_lambda(args, updates_per_step: int):
@@ -218,7 +258,9 @@ def load_model(args, dtype, ds_config: dict):
         from transformers.integrations import HfDeepSpeedConfig
 
         _zero3_loading = HfDeepSpeedConfig(ds_config)
-    return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(
+        args.model_name_or_path, dtype=dtype, attn_implementation=args.attn_implementation
+    )
 
 
 def make_policy(args, on_gpu: bool, grad_accum: int, updates_per_step: int):
