@@ -14,6 +14,12 @@ Measures, each printed as a row of one markdown table:
    6 N + 12 L d T (PaLM's convention: N = parameters doing matmuls, i.e. all but the input embedding, the head
    counted once; L layers, d hidden width, T sequence length; the attention term counts the full T x T score matrix;
    the recomputation by gradient checkpointing is not counted, so this is MFU, not hardware utilisation).
+1b. the same training at mixed lengths, as real rollouts have them: --mixed-seqs sequences whose responses are
+   long-tailed (geometric, mean a quarter of the response budget, capped at it), once in right-padded micro-batches of
+   --micro-batch-size sequences (the scripts' default) and once in token-budget micro-batches packed without padding
+   (--max-tokens-per-micro-batch micro-batch-size x seq-len --padding-free, through utils.run.micro_batches and
+   grpo_vanilla.collate as the scripts do); tokens/s of real tokens, the padding fraction, and MFU with each
+   sequence's own attention length.
 2. the log-prob + entropy pass over --seq-len tokens, forward + backward: ours (chunked) vs naive full logits, time
    and peak memory (torch.cuda.max_memory_allocated; on CPU the in-process RSS method of bench_logprob_memory.py).
 3. HF generate: --gen-seqs sequences x --gen-tokens new tokens (eos suppressed), tokens/s.
@@ -106,6 +112,7 @@ def main():
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--seqs", type=int, default=8, help="sequences per optimizer step")
     p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--mixed-seqs", type=int, default=32, help="sequences of the mixed-length training step")
     p.add_argument("--chunk-size", type=int, default=1024, help="--logprob-chunk-size")
     p.add_argument("--gen-seqs", type=int, default=64)
     p.add_argument("--gen-prompt-len", type=int, default=256)
@@ -117,7 +124,7 @@ def main():
     p.add_argument("--vllm-memory", type=float, default=0.3, help="vLLM gpu_memory_utilization")
     a = p.parse_args()
     if a.tiny:
-        a.seq_len, a.prompt_len, a.seqs, a.micro_batch_size, a.chunk_size = 64, 16, 4, 2, 32
+        a.seq_len, a.prompt_len, a.seqs, a.micro_batch_size, a.chunk_size, a.mixed_seqs = 64, 16, 4, 2, 32, 8
         a.gen_seqs, a.gen_prompt_len, a.gen_tokens, a.hf_gen_tokens, a.repeats = 4, 8, 8, 8, 1
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))  # the rest: a world of one process
 
@@ -180,6 +187,59 @@ def main():
             "(fp32 grad. accumulation and reduction, fused AdamW)",
         )
     )
+
+    # ---- 1b. mixed lengths: padded micro-batches against token-budget micro-batches packed without padding ----
+    lengths = torch.empty(a.mixed_seqs).geometric_(min(1.0, 4 / R), generator=g).long().clamp(max=R).tolist()
+    mixed = [torch.randint(2, V, (n,), generator=g).tolist() for n in lengths]
+    mixed_prompts = [prompts[k % a.seqs] for k in range(a.mixed_seqs)]
+    mixed_adv = torch.randn(a.mixed_seqs, generator=g)
+    sizes = [a.prompt_len + n for n in lengths]
+    budget = a.micro_batch_size * a.seq_len
+    layouts = {}
+    for packed in (False, True):
+        layout = gv.Args(
+            num_mini_batches=1, micro_batch_size=a.micro_batch_size, max_tokens_per_micro_batch=budget * packed
+        )
+        groups = run.micro_batches(sizes, layout, device)[0]
+        batches = [
+            gv.collate([mixed_prompts[k] for k in grp], [mixed[k] for k in grp], 0, device, mixed_adv[grp], packed)
+            for grp in groups
+        ]
+
+        def mixed_step(batches=batches):
+            for i, batch in enumerate(batches):
+                logp, _, _ = gv.response_logprobs(engine, batch, 1.0, a.chunk_size, False)
+                loss, _ = gv.ppo_clip_loss(logp, logp.detach(), batch["advantages"], 0.2, 0.2)
+                engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
+                engine.backward(loss.sum() / sum(lengths) * grad_accum)
+                engine.step()
+
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        seconds = timed(mixed_step, device, a.repeats)
+        positions = sum(b["input_ids"].numel() for b in batches)
+        peak = f"; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if on_gpu else ""
+        layouts[packed] = (seconds, len(batches), 1 - sum(sizes) / positions, peak)
+    real = sum(sizes)
+    mixed_flops = sum((6 * n_matmul + 12 * dims["num_hidden_layers"] * dims["hidden_size"] * t) * t for t in sizes)
+    for packed, (seconds, count, padding, peak) in layouts.items():
+        util = (
+            f"MFU {mixed_flops / seconds / (a.peak_tflops * 1e12):.1%}"
+            if on_gpu
+            else f"{mixed_flops / seconds / 1e9:.1f} GFLOP/s"
+        )
+        name = (
+            f"packed, <= {budget} tokens per micro-batch" if packed else f"padded, {a.micro_batch_size} per micro-batch"
+        )
+        ratio = f"; {layouts[False][0] / seconds:.2f}x the padded layout's tokens/s" if packed else ""
+        rows.append(
+            (
+                f"training step, mixed lengths: {name}",
+                f"{real / seconds:,.0f} tokens/s",
+                f"{a.mixed_seqs} sequences, responses mean {sum(lengths) / len(lengths):.0f} / max {max(lengths)} of "
+                f"{R} tokens; {count} micro-batches, padding {padding:.0%}; {util}{peak}{ratio}",
+            )
+        )
 
     # ---- 2. the log-prob + entropy pass alone: chunked vs naive ----
     pass_args = argparse.Namespace(
