@@ -36,11 +36,13 @@ def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, np
         "wandb-project-name": "test",
         "kl-coef": kl_coef,
         "wandb-tags": "study-1",
+        "grading-workers": 2,  # the rewards graded by a pool of two processes
     }
     run_script("grpo_vanilla.py", script_flags(testbed, **flags), tmp_path, nproc, env={"WANDB_TAGS": "from-env"})
     path = run_dir(tmp_path)
     rows = read_metrics(path)
     assert_trained(rows, path, testbed, 3)
+    assert all(r["time/reward"] > 0 for r in rows if "rollout/reward" in r)
     # after every weight push the engine samples from the trainer's weights: same log-probs on sampled tokens
     for r in rows:
         if "rollout/vllm_logprob_gap" in r:
