@@ -582,9 +582,8 @@ if __name__ == "__main__":
         metrics["time/reward"] = time.time() - t0
         rewards = torch.tensor([r for r, _ in graded], dtype=torch.float32).view(-1, G)
         advantages = group_advantages(rewards, args.scale_rewards).flatten()
-        groups = run.micro_batches([len(p) + len(r) for p, r in zip(seq_prompts, responses)], args, device)
-        minis = [range(sum(map(len, groups[:m])), sum(map(len, groups[: m + 1]))) for m in range(len(groups))]
-        indices = [g for mini in groups for g in mini]  # each micro-batch's samples; mini-batch m: minis[m]
+        # each micro-batch's samples; mini-batch m is micro-batches minis[m]
+        indices, minis = run.micro_batches([len(p) + len(r) for p, r in zip(seq_prompts, responses)], args, device)
         parts = [([seq_prompts[k] for k in g], [responses[k] for k in g], advantages[g], g) for g in indices]
         batches = [collate(p, r, tokenizer.pad_token_id, device, a, args.padding_free, g) for p, r, a, g in parts]
         if sampler is not None:  # the sampler's log-probs of each micro-batch's tokens, in its order

@@ -167,32 +167,35 @@ def all_reduce_sums(values: dict, device) -> dict:
     return dict(zip(keys, tensor.tolist()))
 
 
-def micro_batches(sizes: list, args, device) -> list:
-    """This rank's micro-batches of each optimizer mini-batch, as lists of sample indices (`sizes`: each sample's
-    prompt + response tokens). Mini-batch m holds samples [m L, (m + 1) L), L = samples / --num-mini-batches, split
-    into --micro-batch-size consecutive samples; or, with --max-tokens-per-micro-batch N, into as few groups of at
-    most N tokens as first-fit-decreasing finds, padded with empty micro-batches to the most any rank needs (every
-    rank runs as many forward and backward passes: ZeRO gathers or reduces in each)."""
+def micro_batches(sizes: list, args, device):
+    """This rank's micro-batches, as lists of sample indices (`sizes`: each sample's prompt + response tokens), and
+    the range of them that makes each optimizer mini-batch. Mini-batch m holds samples [m L, (m + 1) L), L = samples /
+    --num-mini-batches, split into --micro-batch-size consecutive samples; or, with --max-tokens-per-micro-batch N,
+    into as few groups of at most N tokens as first-fit decreasing finds, padded with empty micro-batches to the most
+    any rank needs (every rank runs as many forward and backward passes: ZeRO gathers or reduces in each)."""
     size, budget = len(sizes) // args.num_mini_batches, args.max_tokens_per_micro_batch
     minis = [range(m * size, (m + 1) * size) for m in range(args.num_mini_batches)]
     if not budget:
-        return [
+        groups = [
             [list(mini[s : s + args.micro_batch_size]) for s in range(0, size, args.micro_batch_size)] for mini in minis
         ]
-    groups = []
-    for mini in minis:
-        bins, loads = [], []
-        for k in sorted(mini, key=lambda k: -sizes[k]):  # longest first; a stable sort: ties in sample order
-            fit = next((b for b, load in enumerate(loads) if load + sizes[k] <= budget), len(bins))
-            if fit == len(bins):
-                bins.append([])
-                loads.append(0)
-            bins[fit].append(k)
-            loads[fit] += sizes[k]
-        groups.append([sorted(b) for b in bins])
-    counts = torch.tensor([len(g) for g in groups], device=device)
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-    return [g + [[] for _ in range(int(n) - len(g))] for g, n in zip(groups, counts.tolist())]
+    else:
+        groups = []
+        for mini in minis:
+            bins, loads = [], []
+            for k in sorted(mini, key=lambda k: -sizes[k]):  # longest first; a stable sort: ties in sample order
+                fit = next((b for b, load in enumerate(loads) if load + sizes[k] <= budget), len(bins))
+                if fit == len(bins):
+                    bins.append([])
+                    loads.append(0)
+                bins[fit].append(k)
+                loads[fit] += sizes[k]
+            groups.append([sorted(b) for b in bins])
+        counts = torch.tensor([len(g) for g in groups], device=device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        groups = [g + [[] for _ in range(int(n) - len(g))] for g, n in zip(groups, counts.tolist())]
+    starts = [sum(map(len, groups[:m])) for m in range(len(groups) + 1)]
+    return [b for g in groups for b in g], [range(starts[m], starts[m + 1]) for m in range(len(groups))]
 
 
 def lr_lambda(args, updates_per_step: int):
