@@ -7,11 +7,13 @@ ARGS ?=
 CPU_ENV := DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_LOGGING_LEVEL=WARNING WANDB_MODE=offline \
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # testbed (shipped in testbed/, see utils/testbed.py): 16 prompts x 8 samples per step, 2 optimizer updates per step,
-# evaluation on 200 held-out problems every 25 steps: greedy, and 16 samples each (mean@16, pass@16, entropy)
+# evaluation on 200 held-out problems every 25 steps: greedy, and 16 samples each (mean@16, pass@16, entropy); no
+# rollout correction (--vllm-is-cap 0): the CPU engine's log-probs equal the trainer's to ~4e-7, and the published
+# testbed runs predate the flag
 TESTBED_ARGS := --model-name-or-path testbed/model --dataset testbed/train.jsonl --eval-dataset testbed/test.jsonl \
 	--total-steps 200 --num-prompts-per-step 16 --group-size 8 --max-prompt-length 128 --max-response-length 48 \
 	--num-mini-batches 2 --micro-batch-size 32 --learning-rate 2e-4 --warmup-steps 5 --no-gradient-checkpointing \
-	--eval-every 25 --eval-num-prompts 200 --eval-samples 16 --save-every 50
+	--eval-every 25 --eval-num-prompts 200 --eval-samples 16 --save-every 50 --vllm-is-cap 0
 
 .PHONY: venv testbed test lint format
 venv: .venv/.installed

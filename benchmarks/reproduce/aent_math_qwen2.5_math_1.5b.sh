@@ -30,6 +30,7 @@ COMMON=(
   --num-prompts-per-step 512 --group-size 16 --max-prompt-length 1024 --max-response-length 3072
   --temperature 1.0 --learning-rate 2e-6 --num-mini-batches 4 --num-epochs 1
   --kl-coef 0 --clip-ratio-c 3 --gradient-checkpointing --vllm-gpu-memory-utilization 0.55
+  --vllm-is-cap 0  # the reference (verl) does not correct for the sampler's mismatch
 )
 method_flags() {
   case "$1" in

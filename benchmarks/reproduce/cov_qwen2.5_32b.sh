@@ -36,6 +36,7 @@ COMMON=(
   --temperature 1.0 --learning-rate 1e-6 --num-mini-batches 8 --num-epochs 1
   --kl-coef 0 --gradient-checkpointing --zero-stage 3 --micro-batch-size 1
   --vllm-tensor-parallel-size 2 --vllm-gpu-memory-utilization 0.6 --vllm-sleep-level 1
+  --vllm-is-cap 0  # the reference (verl) does not correct for the sampler's mismatch
 )
 method_flags() {
   case "$1" in

@@ -32,6 +32,7 @@ COMMON=(
   --num-prompts-per-step 256 --group-size 8 --max-prompt-length 2048 --max-response-length 8192
   --temperature 1.0 --learning-rate 1e-6 --num-mini-batches 8 --num-epochs 1
   --kl-coef 0 --gradient-checkpointing --zero-stage 3 --micro-batch-size 2
+  --vllm-is-cap 0  # the reference (verl) does not correct for the sampler's mismatch
 )
 method_flags() {
   case "$1" in

@@ -36,12 +36,14 @@ fi
 # the Makefile's testbed settings (TESTBED_ARGS: 16 prompts x 8 samples per step, 2 optimizer mini-batches, lr 2e-4,
 # 200 steps, evaluation on 200 held-out problems every 25 steps, greedy and 16 samples each), the same for every
 # method: KL-Cov needs >= 2 mini-batches (its penalty is zero on the first, on-policy one), and the comparison is fair
-# only if all four make the same updates
+# only if all four make the same updates; no rollout correction (--vllm-is-cap 0: the CPU engine's log-probs equal the
+# trainer's to ~4e-7, nothing to correct, and the published runs predate the flag)
 COMMON=(
   --model-name-or-path "$MODEL" --dataset "$TRAIN" --eval-dataset "$TEST" --eval-every 25 --eval-num-prompts 200
   --eval-samples 16 --output-dir "$OUT" --total-steps "$STEPS" --save-every 0
   --num-prompts-per-step 16 --group-size 8 --max-prompt-length 128 --max-response-length 48
   --num-mini-batches 2 --micro-batch-size 32 --learning-rate 2e-4 --warmup-steps 5 --no-gradient-checkpointing
+  --vllm-is-cap 0
 )
 # Each method's own flags; everything else is COMMON. The published values are for 1.5B-7B models, thousands of tokens
 # per response and hundreds of steps; here a response is ~31 tokens, most of them near-deterministic copies (entropy
