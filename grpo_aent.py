@@ -540,8 +540,9 @@ if __name__ == "__main__":
     start_step, method_state = 0, {"entropy_coef": args.entropy_coef}
     if resumed:
         start_step, method_state = checkpoints.load(policy, resumed, rank)
-    # ZeRO-3 gathers weights per call, so every rank calls the head equally often (bounded by the longest batch)
-    micro_tokens = args.max_tokens_per_micro_batch or mbs * args.max_response_length
+    # ZeRO-3 gathers weights per call, so every rank calls the head equally often (bounded by the longest batch:
+    # a token-budget training micro-batch, or --micro-batch-size sequences as evaluation forms them)
+    micro_tokens = max(args.max_tokens_per_micro_batch, mbs * args.max_response_length)
     calls = math.ceil(micro_tokens / args.logprob_chunk_size) if args.zero_stage == 3 else None
 
     def clamped(logits):  # AEnt: the clamped entropy of each token, from the log-prob kernel's chunk of logits
