@@ -36,7 +36,7 @@ def script_flags(tb, **overrides) -> list:
         "save-every": 0,
         "eval-every": 0,
         "logprob-chunk-size": 16,
-        "grading-workers": 1,  # a pool's start-up (~2 s of CPU) outweighs grading 16 answers; tests/test_e2e.py uses one
+        "grading-workers": 1,  # a pool start-up (~2 s of CPU) outweighs grading 16 answers; test_e2e.py uses one
     }
     flags.update(overrides)
     out = []
