@@ -1,9 +1,11 @@
 """Small helpers shared by the performance benchmarks (bench_trl.py, bench_scaling.py): a random-weights Qwen2 on the
-testbed's tokenizer, a prompt file, and running a command as a subprocess while measuring its wall time and peak RSS."""
+testbed's tokenizer (responses of a fixed length, or of variable length with a set mean), a prompt file, and running a
+command as a subprocess while measuring its wall time and peak RSS."""
 
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -55,6 +57,7 @@ def random_qwen2(hidden: int = 256, layers: int = 4, heads: int = 4, intermediat
         head = model.get_output_embeddings().weight
         head.normal_(0.0, 0.2)
         head[[config.pad_token_id, config.eos_token_id]] = 0.0
+    os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=os.path.dirname(out))
     model.save_pretrained(tmp)
     for f in os.listdir(testbed):  # tokenizer, chat template, generation config
@@ -62,6 +65,104 @@ def random_qwen2(hidden: int = 256, layers: int = 4, heads: int = 4, intermediat
             shutil.copy(os.path.join(testbed, f), tmp)
     os.replace(tmp, out) if not os.path.exists(out) else shutil.rmtree(tmp)
     return out
+
+
+EOS_DIM = 0
+"""the residual-stream coordinate of random_qwen2_varlen's models that carries the end-of-sequence logit"""
+
+
+def random_qwen2_varlen(
+    max_length: int, mean_length: float, prompts: int = 32, per_prompt: int = 2, seed: int = 0, **dims
+) -> str:
+    """random_qwen2(**dims) made to stop: responses of `mean_length` tokens on average (the eos token included),
+    lengths close to geometric (a fraction ~exp(-max_length / mean_length) reaches `max_length`: 2% at a quarter).
+
+    The eos probability lives in the weights, so HF generate and vLLM sample the same lengths: coordinate EOS_DIM of
+    every token's embedding is 0.1 and no layer writes to it (that row of every o_proj and down_proj is zero), so
+    the final normalised hidden state's h_0 is nearly constant (0.1 / rms of the residual stream: std ~2% of its
+    mean), and the head's eos row is b e_0: the eos logit b h_0 gives each position about the same eos probability.
+    b is calibrated, not guessed: `per_prompt` continuations of max_length tokens of each of the testbed's first
+    `prompts` prompts (the benchmarks' prompts; h_0, and so the mean length, differ somewhat from prompt to prompt)
+    are drawn with eos off (conditioned on not stopping, the other tokens' distribution does not depend on b),
+    then b is bisected so that the expected length over their positions' eos probabilities is mean_length. Saved
+    once under ~/.cache/grpo-entropy, with the calibration in varlen.json.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from utils.data import format_prompt, load_problems
+    from utils.testbed import build_testbed
+
+    base = random_qwen2(seed=seed, **dims)
+    out = base.replace("-noeos-", f"-eos-m{mean_length:g}-L{max_length}-", 1)
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    eos = tokenizer.eos_token_id
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, EOS_DIM] = 0.1
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[EOS_DIM] = 0.0
+            layer.mlp.down_proj.weight[EOS_DIM] = 0.0
+        rows = load_problems(build_testbed(log=lambda *a: None).train_file, None, None, None)[:prompts]
+        by_length = {}  # prompts of one length sample in one batch, without padding
+        for row in rows:
+            ids = tokenizer(format_prompt(row["problem"], tokenizer), add_special_tokens=False)["input_ids"]
+            by_length.setdefault(len(ids), []).append(ids)
+        torch.manual_seed(seed)
+        h0, log_rest = [], []  # per sample and position: h_0 and the log-sum-exp of the other tokens' logits
+        for length, group in by_length.items():
+            ids = torch.tensor(group).repeat_interleave(per_prompt, dim=0)
+            ids = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_length, min_new_tokens=max_length,
+                do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=eos,
+            )  # fmt: skip
+            output = model(ids, output_hidden_states=True)
+            positions = slice(length - 1, length - 1 + max_length)  # the logits of response token 0, 1, ...
+            h0.append(output.hidden_states[-1][:, positions, EOS_DIM])
+            logits = output.logits[:, positions]
+            logits[..., eos] = -torch.inf
+            log_rest.append(logits.logsumexp(-1))
+        h0, log_rest = torch.cat(h0).double(), torch.cat(log_rest).double()
+
+        def expected(b: float) -> tuple:
+            """Mean length (sum over k of P(length >= k)) and P(length = max_length without eos) at eos row b e_0."""
+            survive = torch.cumprod(1 - torch.sigmoid(b * h0 - log_rest), dim=1)
+            return (1 + survive[:, :-1].sum(1)).mean().item(), survive[:, -1].mean().item()
+
+        low, high = 0.0, 1000.0
+        for _ in range(60):
+            mid = (low + high) / 2
+            low, high = (mid, high) if expected(mid)[0] > mean_length else (low, mid)
+        b = (low + high) / 2
+        head = model.get_output_embeddings().weight
+        head[eos] = 0.0
+        head[eos, EOS_DIM] = b
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(out))
+    model.save_pretrained(tmp)
+    for f in os.listdir(base):
+        if f.startswith(("tokenizer", "chat_template", "generation_config")):
+            shutil.copy(os.path.join(base, f), tmp)
+    mean, at_max = expected(b)
+    info = {"eos_weight": b, "h0_mean": h0.mean().item(), "h0_std": h0.std().item(), "samples": h0.shape[0]}
+    info |= {"max_length": max_length, "expected_mean_length": mean, "expected_frac_at_max": at_max}
+    json.dump(info, open(os.path.join(tmp, "varlen.json"), "w"), indent=1)
+    os.replace(tmp, out) if not os.path.exists(out) else shutil.rmtree(tmp)
+    return out
+
+
+def length_stats(lengths: list, max_length: int) -> dict:
+    """Mean, median, 90th percentile and the fraction at max_length of a list of response lengths."""
+    xs = sorted(lengths)
+    return {
+        "n": len(xs),
+        "mean": statistics.fmean(xs),
+        "median": statistics.median(xs),
+        "p90": xs[min(len(xs) - 1, int(0.9 * len(xs)))],
+        "at_max": sum(x >= max_length for x in xs) / len(xs),
+    }
 
 
 def n_params(model_dir: str) -> int:
@@ -106,6 +207,13 @@ def run_measured(cmd: list, env: dict, log_path: str, timeout: int = 900) -> dic
         "peak_rss": usage.ru_maxrss * 1024,
         "log": log_path,
     }
+
+
+def free_port() -> int:
+    """A TCP port free now (for MASTER_PORT: other jobs on the machine may hold fixed ones)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def tail(path: str, n: int = 3000) -> str:

@@ -112,3 +112,38 @@ def test_heap_probe_sees_live_tensors_and_growing_types(tmp_path):
     assert rows[-1]["tensor_mb"] - rows[0]["tensor_mb"] >= 1 and rows[-1]["tensors"] > rows[0]["tensors"]
     assert rows[-1]["grown_types"].get("Kept", 0) >= 2
     assert all(r["rss_after_trim_mb"] <= r["rss_mb"] + 3 and r["malloc_in_use_mb"] > 0 for r in rows)
+
+
+def test_bench_trl_varlen_ours_packed_vs_fixed():
+    """bench_trl.py --varlen on ours only (TRL is not a requirement): the calibrated model stops (mean length below
+    the maximum), the same seeded samples in both variants, no padding packed, padding with fixed micro-batches."""
+    out = run_benchmark(
+        [
+            "benchmarks/bench_trl.py",
+            "--varlen",
+            "--max-response-length",
+            "64",
+            "--num-prompts",
+            "1",
+            "--group-size",
+            "8",
+            "--steps",
+            "2",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--max-tokens-per-micro-batch",
+            "256",
+            "--variants",
+            "ours-hf",
+            "ours-hf-packed",
+        ],
+        timeout=240,
+    )
+    rows = {r[0]: r for r in table_rows(out)}
+    fixed, packed = rows["ours-hf"], rows["ours-hf-packed"]
+    assert fixed[3] == packed[3]  # real tokens per step: the same samples
+    assert float(packed[6]) == 0 and float(fixed[6]) > 0  # padding fraction
+    means = [float(m) for m in re.findall(r"- ours-hf\S*: 2 steps x 8 samples: mean ([\d.]+)", out)]
+    assert len(means) == 2 and means[0] == means[1] and 2 <= means[0] < 48, out
