@@ -15,7 +15,8 @@ GPU_ONLY = {"train-sleep2", "train-sleep0", "train-v1runner-sleep1", "push-sleep
 @pytest.mark.vllm
 def test_gpu_smoke_cpu_parts_pass_and_gpu_parts_are_skipped(tmp_path):
     out = tmp_path / "smoke.txt"
-    cmd = [sys.executable, "benchmarks/gpu_smoke.py", "--cpu", "--out", str(out), "--work-dir", str(tmp_path / "w")]
+    cmd = [sys.executable, "benchmarks/gpu_smoke.py", "--cpu", "--steps", "2", "--out", str(out)]
+    cmd += ["--work-dir", str(tmp_path / "w")]
     env = {**os.environ, **CPU_ENV}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
     lines = proc.stdout.splitlines()
@@ -27,4 +28,11 @@ def test_gpu_smoke_cpu_parts_pass_and_gpu_parts_are_skipped(tmp_path):
     assert lines[0].startswith("hardware: CPU only") and "torch " in lines[0] and "deepspeed " in lines[0]
     assert lines[-1].startswith("SUMMARY: 6 passed, 0 failed, 6 skipped")
     assert any(line.startswith("| sleep / wake / push cycle") and "n/a on CPU" in line for line in lines)
+    # bench_gpu.py --tiny's table (benchmarks run for correctness only: timings are not checked)
+    rows = {r[0]: r for r in ([c.strip() for c in x.strip("|").split("|")] for x in lines if x.startswith("| "))}
+    for name in ("training step (ZeRO-2, grad. checkpointing)", "HF generate"):
+        assert float(rows[name][1].split()[0].replace(",", "")) > 0, rows[name]
+    assert any(k.startswith("log-prob + entropy pass") for k in rows)
+    mixed = [r for k, r in rows.items() if k.startswith("training step, mixed lengths: packed")]
+    assert len(mixed) == 1 and "padding 0%" in mixed[0][2], rows
     assert out.read_text().splitlines() == lines  # everything printed is in --out too
