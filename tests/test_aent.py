@@ -40,6 +40,38 @@ def test_clamped_entropy_equals_the_definition(clamp_p, vocab, block):
     assert torch.allclose(ours, ref, atol=1e-5) and torch.allclose(ours_grad, ref_grad, atol=1e-5)
 
 
+@pytest.mark.parametrize("make", ["randn", "bf16", "int", "sorted", "trend", "adversarial"])
+def test_sampled_kth_value_equals_kthvalue_at_a_real_vocabulary(make):
+    """kth_smallest's sampled bracket (a CPU path taken only at vocabularies of tens of thousands) is exact: ties,
+    sorted rows, logits drifting along the vocabulary, and rows whose strided sample lies (the whole-row fallback)."""
+    torch.manual_seed(2)
+    z = torch.randn(8, 151_936) * 2.5
+    if make == "bf16":
+        z = z.bfloat16().float()
+    if make == "int":
+        z = torch.randint(0, 5, z.shape).float()
+    if make == "sorted":
+        z = z.sort(-1).values
+    if make == "trend":
+        z = z + torch.linspace(-20, 20, z.shape[-1])
+    if make == "adversarial":
+        z[::2, ::32] = 100.0  # the sample sees only the largest values in half the rows
+    z[::4, :8] += 12
+    for p in (0.001, 0.25, 0.33, 0.9, 0.999):
+        k = int(p * z.shape[-1])
+        assert torch.equal(ga.kth_smallest(z, k), z.kthvalue(k, dim=-1, keepdim=True).values), p
+
+
+@pytest.mark.parametrize("clamp_p", [0.25, 0.33])
+def test_clamped_entropy_equals_the_definition_at_a_real_vocabulary(clamp_p):
+    torch.manual_seed(3)
+    logits, upstream = torch.randn(6, 151_936) * 2.5 / 0.7, torch.randn(6)
+    logits[::3, :8] += 12
+    ours, ours_grad = values_and_grads(lambda x: ga.clamped_entropy(x, clamp_p), logits, upstream)
+    ref, ref_grad = values_and_grads(lambda x: definition(x, clamp_p), logits, upstream)
+    assert torch.allclose(ours, ref, atol=1e-5) and torch.allclose(ours_grad, ref_grad, atol=1e-6)
+
+
 def test_clamp_zero_is_the_full_entropy():
     logits = torch.randn(9, 384) * 2
     full = torch.distributions.Categorical(logits=logits).entropy()
