@@ -4,6 +4,7 @@
 #   git worktree add /tmp/before <commit>
 #   bash benchmarks/same_metrics.sh /tmp/before . runs/same_metrics
 # ALLOW_NEW=1: metrics only the after side logs (a change that adds metrics) are listed, not a failure.
+# ONLY="aent_mb2 aent_z3_2p": run only these configurations.
 # 11 configurations: each method, the single-update path (no log-prob pass), a reference-KL run, the reference's
 # micro-batch Cov scope, ZeRO-3 on 2 ranks; 6 steps each, evaluation (greedy + 4 samples) at steps 0, 3, 6.
 set -uo pipefail
@@ -37,6 +38,7 @@ CONFIGS=(
 failed=0
 for config in "${CONFIGS[@]}"; do
   read -r name nproc script flags <<< "$config"
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then continue; fi
   for side in before after; do
     code=$BEFORE; [ $side = after ] && code=$AFTER
     rm -rf "$OUT/$side/$name"; mkdir -p "$OUT/$side"
