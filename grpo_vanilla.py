@@ -74,8 +74,7 @@ class Args:
     eval_num_prompts: int = 500
     """evaluate on at most this many prompts of each held-out set"""
     eval_samples: int = 0
-    """besides the greedy answer, sample this many responses per eval prompt at the training temperature: eval/mean_acc,
-    eval/pass@k (unbiased estimator, k = 2, 4, 8, ... and this) and eval/entropy; 0: greedy only"""
+    """also sample this many responses per eval prompt at the training temperature (eval/mean_acc, pass@k, entropy)"""
     max_prompt_length: int = 1024
     """prompts longer than this (in tokens) are dropped and counted, never truncated"""
     max_response_length: int = 3072
@@ -93,8 +92,7 @@ class Args:
     top_p: float = 1.0
     """nucleus sampling: must be 1 (checked), the loss's log-probs and entropy are of the full softmax"""
     grading_workers: int = 0
-    """processes grading the rewards in parallel, each answer within its CPU-time limit (0: this rank's share of the
-    node's cores; 1: one by one in the training process)"""
+    """reward-grading processes (0: this rank's share of the node's cores; 1: serial, in the training process)"""
     use_vllm: bool = True
     """generate with a colocated vLLM engine in every rank; `--no-use-vllm` uses HF generate"""
     vllm_gpu_memory_utilization: float = 0.5
@@ -294,33 +292,6 @@ def response_logprobs(model, batch, temperature, chunk_size, with_entropy, num_c
     return chunked_logprobs_entropy(hidden, head, targets, temperature, chunk_size, with_entropy, num_chunks, extra)
 
 
-def collate(prompts: list, responses: list, pad_id: int, device, advantages=None, packed=False, index=None) -> dict:
-    """Prompt+response sequences, right-padded rows with their attention mask, or `packed`: one row without padding,
-    positions restarting per sequence; the response mask, the response lengths (CPU), given one advantage per
-    sequence each response token's, and `index` (the samples' positions in the step). No sequences: a one-token row
-    without response (an empty micro-batch)."""
-    rows = [p + r for p, r in zip(prompts, responses)] or [[pad_id]]
-    masks = [[False] * len(p) + [True] * len(r) for p, r in zip(prompts, responses)] or [[False]]
-    positions = [list(range(len(row))) for row in rows]
-    if packed:
-        rows, masks, positions = ([[x for row in part for x in row]] for part in (rows, masks, positions))
-    width = max(map(len, rows))
-
-    def padded(values: list, fill) -> torch.Tensor:
-        return torch.tensor([v + [fill] * (width - len(v)) for v in values])
-
-    batch = {"input_ids": padded(rows, pad_id), "response_mask": padded(masks, False)}
-    if packed:  # no attention mask: transformers tells the sequences apart by their restarting positions
-        batch["position_ids"] = padded(positions, 0)
-    else:
-        batch["attention_mask"] = padded([[1] * len(row) for row in rows], 0)
-    lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
-    batch = {key: tensor.to(device) for key, tensor in batch.items()} | {"lengths": lengths, "index": index}
-    if advantages is not None:
-        batch["advantages"] = advantages.to(device).repeat_interleave(lengths.to(device))
-    return batch
-
-
 def make_sampler(args: Args, rank: int, on_gpu: bool):
     """This process's part of a vLLM engine in the torch.distributed world (external launcher): its own engine with
     --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks)."""
@@ -409,7 +380,8 @@ def evaluate(args, sampler, policy, tokenizer, eval_data: list, logprobs, group=
     with torch.no_grad():
         for s in range(0, int(calls.item()) * mbs, mbs):
             chunk = [x.ids for x in sampled[s : s + mbs]]  # past this rank's samples: an empty micro-batch
-            batch = collate([prompts[k // n] for k in range(s, s + len(chunk))], chunk, tokenizer.pad_token_id, device)
+            chunk_prompts = [prompts[k // n] for k in range(s, s + len(chunk))]
+            batch = run.collate(chunk_prompts, chunk, tokenizer.pad_token_id, device)
             token_entropy = logprobs(policy, batch, with_entropy=True)[1]
             entropies += [e.sum().item() for e in token_entropy.split(batch["lengths"].tolist())]
     return run.eval_metrics(tokenizer, shard, greedy, sampled, n, entropies, eval_data, device)
@@ -490,11 +462,9 @@ if __name__ == "__main__":
         # each micro-batch's samples; mini-batch m is micro-batches minis[m]
         indices, minis = run.micro_batches([len(p) + len(r) for p, r in zip(seq_prompts, responses)], args, device)
         parts = [([seq_prompts[k] for k in g], [responses[k] for k in g], advantages[g], g) for g in indices]
-        batches = [collate(p, r, tokenizer.pad_token_id, device, a, args.padding_free, g) for p, r, a, g in parts]
+        batches = [run.collate(p, r, tokenizer.pad_token_id, device, a, args.padding_free, g) for p, r, a, g in parts]
         if sampler is not None:  # the sampler's log-probs of each micro-batch's tokens, in its order
-            sampler_logps = [
-                torch.tensor([x for k in g for x in samples[k].sampler_logps], device=device) for g in indices
-            ]
+            sampler_logps = [torch.tensor([x for k in g for x in samples[k].sampler_logps]).to(device) for g in indices]
 
         # ---- log-prob pass: the sampling policy's log-probs and entropy, the reference policy's log-probs ----
         # a single on-policy update without reference policy skips it: its training forward gives them (old = current)
@@ -564,12 +534,7 @@ if __name__ == "__main__":
         old_logp = torch.cat(old_logps)
         sums.update(seqs=len(samples), tokens=old_logp.numel(), prompt_tokens=sum(len(p) for p in seq_prompts))
         sums["positions"] = sum(batch["input_ids"].numel() for batch in batches)  # padding included
-        sums.update(reward=rewards.sum().item(), correct=(rewards == 1).sum().item(), groups=rewards.shape[0])
-        statuses = [status for _, status in graded]
-        sums.update(
-            boxed=sum(s != "no_box" for s in statuses), failures=sum(s in ("timeout", "error") for s in statuses)
-        )
-        sums.update(truncated=sum(s.truncated for s in samples), all_equal=(rewards.std(dim=1) == 0).sum().item())
+        sums.update(run.rollout_sums(rewards, graded, samples))
         sums["nll"] = -old_logp.sum().item()
         if sampler is not None:  # the sampler's log-probs against the trainer's, the correction's weights (C 0: none)
             sampler_logp, cap = torch.cat(sampler_logps), args.vllm_is_cap or math.inf

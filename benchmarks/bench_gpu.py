@@ -18,7 +18,7 @@ Measures, each printed as a row of one markdown table:
    long-tailed (geometric, mean a quarter of the response budget, capped at it), once in right-padded micro-batches of
    --micro-batch-size sequences (the scripts' default) and once in token-budget micro-batches packed without padding
    (--max-tokens-per-micro-batch micro-batch-size x seq-len --padding-free, through utils.run.micro_batches and
-   grpo_vanilla.collate as the scripts do); tokens/s of real tokens, the padding fraction, and MFU with each
+   utils.run.collate as the scripts do); tokens/s of real tokens, the padding fraction, and MFU with each
    sequence's own attention length.
 2. the log-prob + entropy pass over --seq-len tokens, forward + backward: ours (chunked) vs naive full logits, time
    and peak memory (torch.cuda.max_memory_allocated; on CPU the in-process RSS method of bench_logprob_memory.py).
@@ -167,7 +167,7 @@ def main():
 
     def train_step():
         for s in range(0, a.seqs, a.micro_batch_size):
-            batch = gv.collate(prompts[s : s + a.micro_batch_size], responses[s : s + a.micro_batch_size], 0, device)
+            batch = run.collate(prompts[s : s + a.micro_batch_size], responses[s : s + a.micro_batch_size], 0, device)
             logp, _, _ = gv.response_logprobs(engine, batch, 1.0, a.chunk_size, False)
             adv = advantages[s : s + a.micro_batch_size].to(device).repeat_interleave(R)
             loss, _ = gv.ppo_clip_loss(logp, logp.detach(), adv, 0.2, 0.2)
@@ -202,7 +202,7 @@ def main():
         )
         groups = run.micro_batches(sizes, layout, device)[0]
         batches = [
-            gv.collate([mixed_prompts[k] for k in grp], [mixed[k] for k in grp], 0, device, mixed_adv[grp], packed)
+            run.collate([mixed_prompts[k] for k in grp], [mixed[k] for k in grp], 0, device, mixed_adv[grp], packed)
             for grp in groups
         ]
 

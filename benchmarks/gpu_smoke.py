@@ -394,7 +394,7 @@ def in_process(a) -> None:
     def trainer_logprobs(batches):
         with torch.no_grad():
             return [
-                gv.response_logprobs(policy, gv.collate(p, [x.ids for x in b], 0, device), 1.0, 1024, False)[0]
+                gv.response_logprobs(policy, run.collate(p, [x.ids for x in b], 0, device), 1.0, 1024, False)[0]
                 for p, b in batches
             ]
 
@@ -405,7 +405,7 @@ def in_process(a) -> None:
     def train_step(batches) -> None:
         n_tokens = sum(len(x.ids) for _, b in batches for x in b)
         for p, b in batches:
-            batch = gv.collate(p, [x.ids for x in b], 0, device)
+            batch = run.collate(p, [x.ids for x in b], 0, device)
             logp = gv.response_logprobs(policy, batch, 1.0, 1024, False)[0]
             adv = torch.randn(len(b), generator=g).to(device).repeat_interleave(batch["lengths"].to(device))
             loss, _ = gv.ppo_clip_loss(logp, logp.detach(), adv, 0.2, 0.2)

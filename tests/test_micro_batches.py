@@ -7,6 +7,7 @@ from launch import METHOD, final_weights, read_metrics, run_dir, run_script, scr
 from transformers import AutoModelForCausalLM
 
 import grpo_vanilla as gv
+from utils import run
 
 
 def test_packed_and_padded_sequences_give_the_same_logprobs_entropies_and_gradients(testbed):
@@ -19,7 +20,7 @@ def test_packed_and_padded_sequences_give_the_same_logprobs_entropies_and_gradie
     advantages = torch.tensor([1.0, -0.5, 0.25])
     results = []
     for packed in (False, True):
-        batch = gv.collate(prompts, responses, 0, "cpu", advantages, packed)
+        batch = run.collate(prompts, responses, 0, "cpu", advantages, packed)
         assert batch["input_ids"].shape == ((1, 37) if packed else (3, 14))
         model.zero_grad()
         logp, entropy, _ = gv.response_logprobs(model, batch, 0.7, 4, True)
@@ -31,7 +32,7 @@ def test_packed_and_padded_sequences_give_the_same_logprobs_entropies_and_gradie
     assert lp_a.shape == (20,) and torch.allclose(lp_a, lp_b, atol=1e-5) and torch.allclose(h_a, h_b, atol=1e-5)
     assert torch.allclose(loss_a, loss_b, atol=1e-5)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads_a, grads_b))
-    empty = gv.collate([], [], 0, "cpu", torch.zeros(0), True)  # an empty micro-batch: one token, no response
+    empty = run.collate([], [], 0, "cpu", torch.zeros(0), True)  # an empty micro-batch: one token, no response
     assert all(x.numel() == 0 for x in gv.response_logprobs(model, empty, 1.0, 4, True))
 
 

@@ -198,6 +198,48 @@ def micro_batches(sizes: list, args, device):
     return [b for g in groups for b in g], [range(starts[m], starts[m + 1]) for m in range(len(groups))]
 
 
+def collate(prompts: list, responses: list, pad_id: int, device, advantages=None, packed=False, index=None) -> dict:
+    """Prompt+response sequences, right-padded rows with their attention mask, or `packed`: one row without padding,
+    positions restarting per sequence; the response mask, the response lengths (CPU), given one advantage per
+    sequence each response token's, and `index` (the samples' positions in the step). No sequences: a one-token row
+    without response (an empty micro-batch)."""
+    rows = [p + r for p, r in zip(prompts, responses)] or [[pad_id]]
+    masks = [[False] * len(p) + [True] * len(r) for p, r in zip(prompts, responses)] or [[False]]
+    positions = [list(range(len(row))) for row in rows]
+    if packed:
+        rows, masks, positions = ([[x for row in part for x in row]] for part in (rows, masks, positions))
+    width = max(map(len, rows))
+
+    def padded(values: list, fill) -> torch.Tensor:
+        return torch.tensor([v + [fill] * (width - len(v)) for v in values])
+
+    batch = {"input_ids": padded(rows, pad_id), "response_mask": padded(masks, False)}
+    if packed:  # no attention mask: transformers tells the sequences apart by their restarting positions
+        batch["position_ids"] = padded(positions, 0)
+    else:
+        batch["attention_mask"] = padded([[1] * len(row) for row in rows], 0)
+    lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
+    batch = {key: tensor.to(device) for key, tensor in batch.items()} | {"lengths": lengths, "index": index}
+    if advantages is not None:
+        batch["advantages"] = advantages.to(device).repeat_interleave(lengths.to(device))
+    return batch
+
+
+def rollout_sums(rewards: torch.Tensor, graded: list, samples: list) -> dict:
+    """This rank's rollout counts for the rollout/ metrics (summed over ranks by the loop): rewards [prompts, G], graded
+    (reward, status) pairs (utils.reward.grade_all), samples with `.truncated`."""
+    statuses = [status for _, status in graded]
+    return {
+        "reward": rewards.sum().item(),
+        "correct": (rewards == 1).sum().item(),
+        "groups": rewards.shape[0],
+        "boxed": sum(s != "no_box" for s in statuses),
+        "failures": sum(s in ("timeout", "error") for s in statuses),
+        "truncated": sum(s.truncated for s in samples),
+        "all_equal": (rewards.std(dim=1) == 0).sum().item(),
+    }
+
+
 def lr_lambda(args, updates_per_step: int):
     """Learning-rate multiplier per optimizer update: linear warm-up, then constant / linear / cosine decay."""
 
