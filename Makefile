@@ -32,7 +32,7 @@ testbed: venv
 	$(PY) benchmarks/plot_run.py $$(ls -td runs/*/ | head -1)
 
 test: venv
-	$(CPU_ENV) $(PY) -m pytest -x -q -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(CPU_ENV) $(PY) -m pytest -x -q -n 2 --dist loadfile tests
 
 # ruff.toml: line length 120; CI runs `make lint` before the tests
 lint: venv
