@@ -141,6 +141,19 @@ class Args:
     """divide advantages by the group's reward std (GRPO); `--no-scale-rewards` is Dr. GRPO"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """how per-token losses are averaged over the optimizer mini-batch (all ranks together)"""
+    top_entropy_quantile: float = 1.0
+    """80/20 rule (Wang et al. 2025, arXiv 2506.01939): only tokens whose entropy is at or above the (1 - rho) quantile
+    keep their policy-gradient term (a method's own loss terms too; the reference KL stays on every token); 1: off
+    (paper: 0.2)"""
+    entropy_mask_scope: Literal["global", "microbatch"] = "global"
+    """global (ours): one threshold per optimizer mini-batch over its tokens on all ranks, from the sampling policy's
+    entropies (the log-prob pass: no extra forward, the same tokens in every epoch and whatever the micro-batches,
+    packing and world size); microbatch: TRL 1.16's top_entropy_quantile, the current forward's entropies of each
+    micro-batch over all ranks"""
+    entropy_mask_norm: Literal["all", "kept"] = "all"
+    """the policy-gradient term's denominator counts every response token (TRL, the paper's formula) or only the kept
+    ones (the authors' verl code): 'kept' multiplies it by tokens / kept tokens of the selection set (exact for
+    token-mean)"""
     logprob_chunk_size: int = 1024
     """tokens per chunk of the vocabulary projection; bounds the [tokens, vocab] temporaries"""
 
@@ -165,6 +178,18 @@ class Args:
     """the coefficient is clipped to [min, max] (MATH run: 9e-3)"""
     entropy_coef_reg: float = 0.0
     """L2 pull of the coefficient towards coef_0 (the paper's optional term; 0: none, as in the reference code)"""
+    coef_rule: Literal["box", "target"] = "box"
+    """box: AEnt's rule above (next_entropy_coef); target: Skywork-OR1's / TRL 1.16's (next_target_coef): +-delta
+    towards --entropy-target after every step (no warm-up), the bonus applied only in a step after one whose entropy
+    was <= target; with --clamp-p 0 their plain entropy bonus (TRL's defaults: --entropy-coef 0 --entropy-coef-min 0
+    --entropy-coef-max 1; Skywork-OR1's scripts: --entropy-coef 0 --entropy-coef-delta 1e-4 --entropy-coef-max 0.005)"""
+    entropy_target: float = 0.2
+    """target rule: the entropy (nats) the coefficient steers towards (TRL, Skywork-OR1: 0.2)"""
+    entropy_coef_delta: float = 0.005
+    """target rule: the coefficient's step per training step (TRL: 0.005; Skywork-OR1's scripts: 1e-4)"""
+    entropy_bonus_tokens: Literal["kept", "all"] = "kept"
+    """with --top-entropy-quantile < 1: the bonus acts on (as a mean over them), and the coefficient sees the entropy
+    of, the kept tokens only (TRL's sync), or every token"""
 
     # DeepSpeed
     zero_stage: int = 2
@@ -202,6 +227,7 @@ def validate_args(args: Args, world_size: int) -> None:
         (args.entropy_coef_lr >= 0, f"--entropy-coef-lr must be >= 0 (got {args.entropy_coef_lr})"),
         (args.entropy_coef_warmup >= 0, f"--entropy-coef-warmup must be >= 0 (got {args.entropy_coef_warmup})"),
         (args.entropy_coef_reg >= 0, f"--entropy-coef-reg must be >= 0 (got {args.entropy_coef_reg})"),
+        (args.entropy_coef_delta >= 0, f"--entropy-coef-delta must be >= 0 (got {args.entropy_coef_delta})"),
     ]
     run.check_args(args, world_size, method_checks)
 
@@ -331,10 +357,48 @@ def next_entropy_coef(coef, entropy, *, low, high, lr, reg, init_coef, coef_min,
     return min(max(coef - lr * step, coef_min), coef_max)
 
 
+def next_target_coef(coef, entropy, *, target, delta, coef_min, coef_max) -> float:
+    """Skywork-OR1's (arXiv 2505.22312) and TRL 1.16's coefficient step: min(coef + delta, coef_max) if H <= target,
+    else max(coef - delta, coef_min), once per training step; its bonus is applied in a step only if the previous
+    step's H was <= target (target_gate)."""
+    return min(coef + delta, coef_max) if entropy <= target else max(coef - delta, coef_min)
+
+
+def target_gate(last_entropy, target: float) -> bool:
+    """The target rule's gate: a bonus only after a step whose entropy was at or below the target (none before the
+    first measurement, `last_entropy` None)."""
+    return last_entropy is not None and last_entropy <= target
+
+
 def rollout_weights(old_logp, sampler_logp, cap: float) -> torch.Tensor:
     """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
     training"): each sampled token's loss weight min(pi_old / pi_sampler, cap), pi_old the trainer's probability."""
     return torch.exp(old_logp - sampler_logp).clamp(max=cap)
+
+
+def quantile(x: torch.Tensor, q: float) -> torch.Tensor:
+    """torch.quantile(x, q) of a 1-D tensor (linear interpolation, the same float operations) without its limit of
+    2^24 elements, which a mini-batch of a large run exceeds."""
+    pos = torch.tensor(q, dtype=x.dtype, device=x.device) * (x.numel() - 1)
+    values = x.sort().values
+    return values[pos.long()].lerp(values[pos.ceil().long()], pos - pos.long())
+
+
+class Selection(NamedTuple):
+    kept: dict  # micro-batch index -> mask of its tokens at or above the threshold
+    entropy: dict  # micro-batch index -> the entropies that decided
+    threshold: float
+    scale: float  # tokens / kept tokens of the selection set, all ranks: turns a mean over all into one over the kept
+
+
+def entropy_selection(entropies: dict, rho: float) -> Selection:
+    """The 80/20 rule over a selection set of tokens on all ranks (this rank's: a flat tensor of entropies per
+    micro-batch index): the tokens whose entropy is at or above the (1 - rho) quantile of the whole set, ties kept
+    (rho 0: the maximum only), as TRL's top_entropy_quantile."""
+    gathered = run.gather_ranks(torch.cat(list(entropies.values())))[0]
+    threshold = quantile(gathered, 1 - rho) if gathered.numel() else gathered.new_tensor(math.inf)
+    kept = {i: e >= threshold for i, e in entropies.items()}
+    return Selection(kept, entropies, threshold.item(), gathered.numel() / max((gathered >= threshold).sum().item(), 1))
 
 
 class _LogprobEntropy(torch.autograd.Function):
@@ -534,17 +598,22 @@ if __name__ == "__main__":
     G, mbs, clip = args.group_size, args.micro_batch_size, (args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c)
     updates_per_step = args.num_mini_batches * args.num_epochs
     grading_workers = args.grading_workers or default_grading_workers()
-    separate_pass = updates_per_step > 1 or args.kl_coef > 0  # else the training forward computes the old log-probs
+    select = args.entropy_mask_scope if args.top_entropy_quantile < 1 else None  # 80/20 rule: where it selects
+    # else the training forward computes the old log-probs; a global selection needs the entropies before training
+    separate_pass = updates_per_step > 1 or args.kl_coef > 0 or select == "global"
+    train_entropy = not separate_pass or select == "microbatch"  # the training forward's: old, or to select by
     grad_accum = args.num_prompts_per_step // (args.num_mini_batches * world_size) * G // mbs  # micro-batches/update
     policy, scheduler, ref_policy = run.make_policy(args, on_gpu, grad_accum, updates_per_step)
     # method_state: what a method carries across steps (saved in checkpoints)
-    start_step, method_state = 0, {"entropy_coef": args.entropy_coef}
+    start_step, method_state = 0, {"entropy_coef": args.entropy_coef, "last_entropy": None}
     if resumed:
         start_step, method_state = checkpoints.load(policy, resumed, rank)
     # ZeRO-3 gathers weights per call, so every rank calls the head equally often (bounded by the longest batch:
     # a token-budget training micro-batch, or --micro-batch-size sequences as evaluation forms them)
     micro_tokens = max(args.max_tokens_per_micro_batch, mbs * args.max_response_length)
     calls = math.ceil(micro_tokens / args.logprob_chunk_size) if args.zero_stage == 3 else None
+
+    synced = select is not None and args.entropy_bonus_tokens == "kept"  # AEnt: the bonus on the kept tokens
 
     def clamped(logits):  # AEnt: the clamped entropy of each token, from the log-prob kernel's chunk of logits
         return clamped_entropy(logits.float() / args.temperature, args.clamp_p)
@@ -594,14 +663,16 @@ if __name__ == "__main__":
         # ---- log-prob pass: the sampling policy's log-probs and entropy, the reference policy's log-probs ----
         # a single on-policy update without reference policy skips it: its training forward gives them (old = current)
         t0 = time.time()
-        old_logps, ref_logps = [], []  # one flat tensor per micro-batch
+        old_logps, ref_logps, entropies = [], [], []  # one flat tensor per micro-batch
         sums = dict.fromkeys(["entropy", "loss", "clipped", "approx_kl", "ref_kl"], 0.0)  # over the step, then ranks
-        sums.update(dict.fromkeys(["clamped", "bonus", "clamped_train"], 0.0))  # AEnt
+        sums.update(dict.fromkeys(["kept", "kept_entropy", "threshold", "selections"], 0.0))  # the 80/20 rule
+        sums.update(dict.fromkeys(["clamped", "bonus", "clamped_train", "train_tokens"], 0.0))  # AEnt
         if separate_pass:
             with torch.no_grad():
                 for batch in batches:
                     logp, entropy, clamped_h = logprobs(policy, batch, with_entropy=True, extra=clamped)
                     old_logps.append(logp)
+                    entropies.append(entropy)
                     sums["entropy"] += entropy.sum().double()
                     sums["clamped"] += clamped_h.sum().double()
                     if ref_policy is not None:
@@ -617,10 +688,14 @@ if __name__ == "__main__":
                 mb_lengths = torch.cat([batches[i]["lengths"] for i in mb])
                 totals = run.all_reduce_sums({"tokens": mb_lengths.sum().item(), "seqs": len(mb_lengths)}, device)
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
-                coef = method_state["entropy_coef"]  # AEnt: the step's coefficient, the same on every rank
+                if select == "global":  # 80/20 rule: one threshold over the mini-batch of all ranks
+                    selection = entropy_selection({i: entropies[i] for i in mb}, args.top_entropy_quantile)
+                coef_state = method_state["entropy_coef"]  # AEnt: the step's coefficient, the same on every rank
+                gate = args.coef_rule == "box" or target_gate(method_state.get("last_entropy"), args.entropy_target)
+                coef = coef_state if gate else 0.0
                 for i in mb:
                     batch = batches[i]
-                    logp, entropy, clamped_h = logprobs(policy, batch, with_entropy=not separate_pass, extra=clamped)
+                    logp, entropy, clamped_h = logprobs(policy, batch, with_entropy=train_entropy, extra=clamped)
                     if not separate_pass:  # the weights that sampled the batch: their log-probs are the old ones
                         old_logps.append(logp.detach())
                         sums["entropy"] += entropy.sum().double()
@@ -630,9 +705,23 @@ if __name__ == "__main__":
                     token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)
                     if sampler is not None and args.vllm_is_cap:  # the sampler's tokens, weighted to the trainer's
                         token_loss = token_loss * rollout_weights(old_logp, sampler_logps[i], args.vllm_is_cap)
-                    token_loss = token_loss - coef * clamped_h  # AEnt: clamped-entropy bonus, aggregated like the loss
-                    sums["bonus"] += coef * (clamped_h.detach() * weights).sum().double()
-                    sums["clamped_train"] += clamped_h.detach().sum().double()
+                    if select:  # 80/20 rule: the policy-gradient term on the kept tokens only
+                        if select == "microbatch":  # TRL 1.16: this micro-batch's current entropies, all ranks
+                            selection = entropy_selection({i: entropy.detach()}, args.top_entropy_quantile)
+                        kept = selection.kept[i]
+                        token_loss = token_loss * kept * (selection.scale if args.entropy_mask_norm == "kept" else 1.0)
+                        sums["kept"] += kept.sum().double()
+                        sums["kept_entropy"] += (selection.entropy[i] * kept).sum().double()
+                        sums["threshold"] += selection.threshold
+                        sums["selections"] += 1
+                    # AEnt: the clamped-entropy bonus, aggregated like the loss; with the 80/20 rule on the kept tokens,
+                    # as a mean over them, and the coefficient sees their entropy (TRL's sync)
+                    bonus_tokens = kept if synced else torch.ones_like(clamped_h, dtype=torch.bool)
+                    on = bonus_tokens * (selection.scale if synced else 1.0)
+                    token_loss = token_loss - coef * clamped_h * on
+                    sums["bonus"] += coef * (clamped_h.detach() * on * weights).sum().double()
+                    sums["clamped_train"] += (clamped_h.detach() * bonus_tokens).sum().double()
+                    sums["train_tokens"] += bonus_tokens.sum().double()
                     if ref_policy is not None:
                         log_ratio = ref_logps[i] - logp
                         ref_kl = torch.exp(log_ratio) - log_ratio - 1  # k3 estimator
@@ -706,19 +795,30 @@ if __name__ == "__main__":
             metrics["rollout/is_clipped_frac"] = g["is_clipped"] / g["tokens"]
         if ref_policy is not None:
             metrics["losses/ref_kl"] = g["ref_kl"] / updates_per_step
-        coef_range = torch.tensor([coef, -coef], dtype=torch.float64, device=device)  # AEnt: max and -min over ranks
+        if select:  # the 80/20 rule's mean threshold, the share of tokens trained, their mean entropy
+            metrics["entropy/mask_threshold"] = g["threshold"] / g["selections"]
+            metrics["entropy/kept_frac"] = g["kept"] / (g["tokens"] * args.num_epochs)
+            metrics["entropy/kept"] = g["kept_entropy"] / max(g["kept"], 1)
+        coef_range = torch.tensor([coef_state, -coef_state], dtype=torch.float64, device=device)  # AEnt: max, -min
         dist.all_reduce(coef_range, op=dist.ReduceOp.MAX)
         metrics["entropy/clamped"] = g["clamped"] / g["tokens"]
-        metrics["entropy/clamped_train"] = g["clamped_train"] / (g["tokens"] * args.num_epochs)
-        metrics.update({"entropy/coef": coef, "entropy/coef_rank_spread": coef_range.sum().item()})
-        metrics["entropy/bonus"] = g["bonus"] / updates_per_step
+        metrics["entropy/clamped_train"] = g["clamped_train"] / g["train_tokens"]
+        metrics.update({"entropy/coef": coef_state, "entropy/coef_rank_spread": coef_range.sum().item()})
+        metrics.update({"entropy/coef_applied": coef, "entropy/bonus": g["bonus"] / updates_per_step})
         tracker.log(metrics, step + 1)
         # AEnt: same inputs on every rank, same value, no broadcast; a non-finite entropy (skipped updates) keeps it
         h = metrics["entropy/clamped_train"]
-        if args.adaptive_coef and step >= args.entropy_coef_warmup and math.isfinite(h):
+        limits = dict(coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)
+        if args.adaptive_coef and math.isfinite(h) and args.coef_rule == "target":
+            target = dict(target=args.entropy_target, delta=args.entropy_coef_delta)
+            method_state["entropy_coef"] = next_target_coef(coef_state, h, **target, **limits)
+        elif args.adaptive_coef and math.isfinite(h) and args.coef_rule == "box" and step >= args.entropy_coef_warmup:
             box = dict(low=args.entropy_low, high=args.entropy_high, lr=args.entropy_coef_lr, reg=args.entropy_coef_reg)
-            limits = dict(init_coef=args.entropy_coef, coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)
-            method_state["entropy_coef"] = next_entropy_coef(coef, h, **box, **limits)
+            method_state["entropy_coef"] = next_entropy_coef(
+                coef_state, h, **box, init_coef=args.entropy_coef, **limits
+            )
+        if math.isfinite(h):
+            method_state["last_entropy"] = h  # the target rule's gate in the next step
         progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", entropy=f"{metrics['entropy/full']:.3f}")
 
         # ---- evaluation and checkpoint ----

@@ -142,6 +142,19 @@ class Args:
     """divide advantages by the group's reward std (GRPO); `--no-scale-rewards` is Dr. GRPO"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """how per-token losses are averaged over the optimizer mini-batch (all ranks together)"""
+    top_entropy_quantile: float = 1.0
+    """80/20 rule (Wang et al. 2025, arXiv 2506.01939): only tokens whose entropy is at or above the (1 - rho) quantile
+    keep their policy-gradient term (a method's own loss terms too; the reference KL stays on every token); 1: off
+    (paper: 0.2)"""
+    entropy_mask_scope: Literal["global", "microbatch"] = "global"
+    """global (ours): one threshold per optimizer mini-batch over its tokens on all ranks, from the sampling policy's
+    entropies (the log-prob pass: no extra forward, the same tokens in every epoch and whatever the micro-batches,
+    packing and world size); microbatch: TRL 1.16's top_entropy_quantile, the current forward's entropies of each
+    micro-batch over all ranks"""
+    entropy_mask_norm: Literal["all", "kept"] = "all"
+    """the policy-gradient term's denominator counts every response token (TRL, the paper's formula) or only the kept
+    ones (the authors' verl code): 'kept' multiplies it by tokens / kept tokens of the selection set (exact for
+    token-mean)"""
     logprob_chunk_size: int = 1024
     """tokens per chunk of the vocabulary projection; bounds the [tokens, vocab] temporaries"""
 
@@ -258,17 +271,6 @@ def in_sample_order(batches: list, mb: range) -> torch.Tensor:
     return torch.cat(samples).argsort(stable=True)
 
 
-def gather_ranks(x: torch.Tensor):
-    """Concatenate x (any first-dim length) over all ranks in rank order; also return where this rank's rows start."""
-    size = torch.tensor([x.shape[0]], device=x.device)
-    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, size)
-    sizes = [int(n) for n in sizes]
-    parts = [x.new_empty((max(sizes), *x.shape[1:])) for _ in sizes]
-    dist.all_gather(parts, torch.cat([x, x.new_zeros((max(sizes) - x.shape[0], *x.shape[1:]))]))
-    return torch.cat([p[:n] for p, n in zip(parts, sizes)]), sum(sizes[: dist.get_rank()])
-
-
 def clip_cov_global_selection(current: list, old_logps: list, batches: list, mb: range, args, generator):
     """--cov-scope global: covariances against the means of the whole optimizer mini-batch of all ranks, and one draw
     among the eligible tokens of all of them; given the current log-probs of this rank's micro-batches
@@ -278,7 +280,7 @@ def clip_cov_global_selection(current: list, old_logps: list, batches: list, mb:
     advantages = torch.cat([batches[i]["advantages"] for i in mb])
     eligible = ~ppo_clip_loss(current, old, advantages, args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c)[1]
     order = in_sample_order(batches, mb).to(current.device)
-    gathered, offset = gather_ranks(torch.stack([current, advantages, eligible.float()], dim=1)[order])
+    gathered, offset = run.gather_ranks(torch.stack([current, advantages, eligible.float()], dim=1)[order])
     cov = token_covariance(gathered[:, 0], gathered[:, 1])
     bounds = (args.clip_cov_ratio, args.clip_cov_lb, args.clip_cov_ub)
     selected = clip_cov_select(cov, gathered[:, 2].bool(), *bounds, generator)
@@ -309,6 +311,31 @@ def rollout_weights(old_logp, sampler_logp, cap: float) -> torch.Tensor:
     """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
     training"): each sampled token's loss weight min(pi_old / pi_sampler, cap), pi_old the trainer's probability."""
     return torch.exp(old_logp - sampler_logp).clamp(max=cap)
+
+
+def quantile(x: torch.Tensor, q: float) -> torch.Tensor:
+    """torch.quantile(x, q) of a 1-D tensor (linear interpolation, the same float operations) without its limit of
+    2^24 elements, which a mini-batch of a large run exceeds."""
+    pos = torch.tensor(q, dtype=x.dtype, device=x.device) * (x.numel() - 1)
+    values = x.sort().values
+    return values[pos.long()].lerp(values[pos.ceil().long()], pos - pos.long())
+
+
+class Selection(NamedTuple):
+    kept: dict  # micro-batch index -> mask of its tokens at or above the threshold
+    entropy: dict  # micro-batch index -> the entropies that decided
+    threshold: float
+    scale: float  # tokens / kept tokens of the selection set, all ranks: turns a mean over all into one over the kept
+
+
+def entropy_selection(entropies: dict, rho: float) -> Selection:
+    """The 80/20 rule over a selection set of tokens on all ranks (this rank's: a flat tensor of entropies per
+    micro-batch index): the tokens whose entropy is at or above the (1 - rho) quantile of the whole set, ties kept
+    (rho 0: the maximum only), as TRL's top_entropy_quantile."""
+    gathered = run.gather_ranks(torch.cat(list(entropies.values())))[0]
+    threshold = quantile(gathered, 1 - rho) if gathered.numel() else gathered.new_tensor(math.inf)
+    kept = {i: e >= threshold for i, e in entropies.items()}
+    return Selection(kept, entropies, threshold.item(), gathered.numel() / max((gathered >= threshold).sum().item(), 1))
 
 
 class _LogprobEntropy(torch.autograd.Function):
@@ -508,7 +535,10 @@ if __name__ == "__main__":
     G, mbs, clip = args.group_size, args.micro_batch_size, (args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c)
     updates_per_step = args.num_mini_batches * args.num_epochs
     grading_workers = args.grading_workers or default_grading_workers()
-    separate_pass = updates_per_step > 1 or args.kl_coef > 0  # else the training forward computes the old log-probs
+    select = args.entropy_mask_scope if args.top_entropy_quantile < 1 else None  # 80/20 rule: where it selects
+    # else the training forward computes the old log-probs; a global selection needs the entropies before training
+    separate_pass = updates_per_step > 1 or args.kl_coef > 0 or select == "global"
+    train_entropy = not separate_pass or select == "microbatch"  # the training forward's: old, or to select by
     separate_pass |= args.cov_scope == "global"  # Clip-Cov: the global selection needs every token's log-prob first
     grad_accum = args.num_prompts_per_step // (args.num_mini_batches * world_size) * G // mbs  # micro-batches/update
     policy, scheduler, ref_policy = run.make_policy(args, on_gpu, grad_accum, updates_per_step)
@@ -566,13 +596,15 @@ if __name__ == "__main__":
         # ---- log-prob pass: the sampling policy's log-probs and entropy, the reference policy's log-probs ----
         # a single on-policy update without reference policy skips it: its training forward gives them (old = current)
         t0 = time.time()
-        old_logps, ref_logps = [], []  # one flat tensor per micro-batch
+        old_logps, ref_logps, entropies = [], [], []  # one flat tensor per micro-batch
         sums = dict.fromkeys(["entropy", "loss", "clipped", "approx_kl", "ref_kl"], 0.0)  # over the step, then ranks
+        sums.update(dict.fromkeys(["kept", "kept_entropy", "threshold", "selections"], 0.0))  # the 80/20 rule
         if separate_pass:
             with torch.no_grad():
                 for batch in batches:
                     logp, entropy, _ = logprobs(policy, batch, with_entropy=True)
                     old_logps.append(logp)
+                    entropies.append(entropy)
                     sums["entropy"] += entropy.sum().double()
                     if ref_policy is not None:
                         ref_logps.append(logprobs(ref_policy, batch)[0])
@@ -589,6 +621,8 @@ if __name__ == "__main__":
                 mb_lengths = torch.cat([batches[i]["lengths"] for i in mb])
                 totals = run.all_reduce_sums({"tokens": mb_lengths.sum().item(), "seqs": len(mb_lengths)}, device)
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
+                if select == "global":  # 80/20 rule: one threshold over the mini-batch of all ranks
+                    selection = entropy_selection({i: entropies[i] for i in mb}, args.top_entropy_quantile)
                 generator = selection_generator(args, step, epoch, m, rank)  # Clip-Cov: this mini-batch's draw
                 if args.cov_scope == "global":  # one selection over the mini-batch of all ranks, before its updates
                     t1 = time.time()
@@ -598,7 +632,7 @@ if __name__ == "__main__":
                     selection_time += time.time() - t1
                 for i in mb:
                     batch = batches[i]
-                    logp, entropy, _ = logprobs(policy, batch, with_entropy=not separate_pass)
+                    logp, entropy, _ = logprobs(policy, batch, with_entropy=train_entropy)
                     if not separate_pass:  # the weights that sampled the batch: their log-probs are the old ones
                         old_logps.append(logp.detach())
                         sums["entropy"] += entropy.sum().double()
@@ -614,6 +648,15 @@ if __name__ == "__main__":
                         bounds = (args.clip_cov_ratio, args.clip_cov_lb, args.clip_cov_ub)
                         selected = clip_cov_select(cov, ~clipped, *bounds, generator)
                     token_loss = token_loss * ~selected  # gradient dropped; the token stays in the denominator
+                    if select:  # 80/20 rule: the policy-gradient term on the kept tokens only
+                        if select == "microbatch":  # TRL 1.16: this micro-batch's current entropies, all ranks
+                            selection = entropy_selection({i: entropy.detach()}, args.top_entropy_quantile)
+                        kept = selection.kept[i]
+                        token_loss = token_loss * kept * (selection.scale if args.entropy_mask_norm == "kept" else 1.0)
+                        sums["kept"] += kept.sum().double()
+                        sums["kept_entropy"] += (selection.entropy[i] * kept).sum().double()
+                        sums["threshold"] += selection.threshold
+                        sums["selections"] += 1
                     if ref_policy is not None:
                         log_ratio = ref_logps[i] - logp
                         ref_kl = torch.exp(log_ratio) - log_ratio - 1  # k3 estimator
@@ -691,6 +734,10 @@ if __name__ == "__main__":
             metrics["rollout/is_clipped_frac"] = g["is_clipped"] / g["tokens"]
         if ref_policy is not None:
             metrics["losses/ref_kl"] = g["ref_kl"] / updates_per_step
+        if select:  # the 80/20 rule's mean threshold, the share of tokens trained, their mean entropy
+            metrics["entropy/mask_threshold"] = g["threshold"] / g["selections"]
+            metrics["entropy/kept_frac"] = g["kept"] / (g["tokens"] * args.num_epochs)
+            metrics["entropy/kept"] = g["kept_entropy"] / max(g["kept"], 1)
         metrics.update(clip_cov_metrics(g, args.num_epochs, selection_time))
         tracker.log(metrics, step + 1)
         progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", entropy=f"{metrics['entropy/full']:.3f}")

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python benchmarks/compare.py` must find benchmarks/metrics.py
     sys.path.insert(0, ROOT)
 
-from benchmarks.metrics import AENT, COV, EVAL, EVAL_SAMPLED, REWARD, label  # noqa: E402
+from benchmarks.metrics import AENT, COV, EVAL, EVAL_SAMPLED, REWARD, SELECTION, label  # noqa: E402
 
 
 @dataclass
@@ -355,11 +355,12 @@ if __name__ == "__main__":
     colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
     E = args.entropy_metric
     figures = {
-        "entropy.png": [(E, f"{E} (nats)")],
+        "entropy.png": [(E, f"{E} (nats)"), ("entropy/kept", label("entropy/kept"))],
         "reward.png": [(k, label(k)) for k in REWARD],
         "eval_acc.png": [(k, label(k)) for k in (EVAL[0], *EVAL_SAMPLED)],
         "aent.png": [(k, label(k)) for k in AENT],
         "cov.png": [(k, label(k)) for k in COV],  # panels no run logged are left out
+        "selection.png": [(k, label(k)) for k in SELECTION],
     }
     written = [
         name
@@ -467,6 +468,8 @@ if __name__ == "__main__":
             *pass_keys[-1:],
             "eval/entropy",
             E,
+            "entropy/kept",
+            "entropy/kept_frac",
         )
         if any(len(series(r["rows"], k)[0]) for r in runs)
     ]

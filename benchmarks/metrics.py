@@ -1,8 +1,10 @@
 # The metric names the grpo_*.py scripts log, by concern, for compare.py and wandb_report.py; docs: README.md
 # (The same name means the same quantity in every script; a method's own metrics are absent from the other runs.)
 
-AENT = ("entropy/clamped", "entropy/coef")  # AEnt's clamped entropy H_S and its adaptive coefficient
+AENT = ("entropy/clamped", "entropy/coef", "entropy/coef_applied")  # AEnt's H_S, its coefficient, as applied
 ENTROPY = ("entropy/full", *AENT)
+# --top-entropy-quantile < 1 (every method): the kept tokens' mean entropy, their share, the entropy threshold
+SELECTION = ("entropy/kept", "entropy/kept_frac", "entropy/mask_threshold")
 REWARD = ("rollout/reward", "rollout/accuracy")
 EVAL = ("eval/acc", "eval/response_length")  # greedy, on --eval-dataset, every --eval-every steps
 # with --eval-samples k: k samples per eval prompt at the training temperature (pass@k for k = 2, 4, 8, ... and k)
@@ -15,6 +17,10 @@ LABELS = {
     "entropy/full": "full-vocabulary entropy (nats)",
     "entropy/clamped": "clamped entropy (nats)",
     "entropy/coef": "AEnt coefficient",
+    "entropy/coef_applied": "AEnt coefficient applied (target rule: 0 while gated)",
+    "entropy/kept": "entropy of the kept tokens (nats)",
+    "entropy/kept_frac": "fraction of tokens kept (80/20 rule)",
+    "entropy/mask_threshold": "entropy threshold of the kept tokens (nats)",
     "eval/acc": "held-out accuracy, greedy",
     "eval/mean_acc": "held-out accuracy, sampled (mean@k)",
     "eval/pass@16": "held-out pass@16",

@@ -11,7 +11,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python benchmarks/wandb_report.py` must find benchmarks/metrics.py
     sys.path.insert(0, ROOT)
 
-from benchmarks.metrics import COV, ENTROPY, EVAL, EVAL_SAMPLED, REWARD, THROUGHPUT, TIME, eval_metric, label  # noqa: E402
+from benchmarks.metrics import (  # noqa: E402
+    COV,
+    ENTROPY,
+    EVAL,
+    EVAL_SAMPLED,
+    REWARD,
+    SELECTION,
+    THROUGHPUT,
+    TIME,
+    eval_metric,
+    label,
+)
 
 
 @dataclass
@@ -64,6 +75,12 @@ def sections(eval_datasets=()) -> list:
             "Cov selection",
             "KL-Cov / Clip-Cov: which tokens the covariance selection picks and what it does to them.",
             list(COV),
+        ),
+        (
+            "Token selection",
+            "--top-entropy-quantile < 1: the policy gradient only on the tokens of highest entropy (the 80/20 rule): "
+            "the kept tokens' mean entropy, their share and the threshold.",
+            list(SELECTION),
         ),
         (
             "Throughput and phase times",

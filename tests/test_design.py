@@ -20,7 +20,7 @@ CHANGED = {
         "__main__": [
             "start_step, method_state = 0, {}",
             "logp, entropy, _ = logprobs(policy, batch, with_entropy=True)",
-            "logp, entropy, _ = logprobs(policy, batch, with_entropy=not separate_pass)",
+            "logp, entropy, _ = logprobs(policy, batch, with_entropy=train_entropy)",
         ],
     },
     "grpo_klcov.py": {

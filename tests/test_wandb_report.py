@@ -10,12 +10,19 @@ import sys
 import pytest
 
 from benchmarks.compare import aggregate, history_to_rows, law_points, wandb_run_record
-from benchmarks.metrics import COV, ENTROPY, EVAL, EVAL_SAMPLED, REWARD, THROUGHPUT, TIME
+from benchmarks.metrics import COV, ENTROPY, EVAL, EVAL_SAMPLED, REWARD, SELECTION, THROUGHPUT, TIME
 from benchmarks.wandb_report import Args, api_filters, build_report, sections, settings_markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.filterwarnings("ignore:Pydantic V1 style:DeprecationWarning")  # inside wandb_workspaces
-SECTIONS = ["Entropy", "Reward and accuracy", "Evaluation per dataset", "Cov selection", "Throughput and phase times"]
+SECTIONS = [
+    "Entropy",
+    "Reward and accuracy",
+    "Evaluation per dataset",
+    "Cov selection",
+    "Token selection",
+    "Throughput and phase times",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -65,10 +72,17 @@ def test_report_sections_panels_grouping_and_filters():
     )
     report = build_report(args, RUNS)
     kinds = [type(b).__name__ for b in report.blocks]
-    assert kinds == ["MarkdownBlock"] + ["H2", "P", "PanelGrid"] * 5
+    assert kinds == ["MarkdownBlock"] + ["H2", "P", "PanelGrid"] * 6
     assert [b.text for b in report.blocks if type(b).__name__ == "H2"] == SECTIONS
     grids = [b for b in report.blocks if type(b).__name__ == "PanelGrid"]
-    expected = [list(ENTROPY), [*REWARD, "eval/acc"], [*EVAL, *EVAL_SAMPLED], list(COV), [*THROUGHPUT, *TIME]]
+    expected = [
+        list(ENTROPY),
+        [*REWARD, "eval/acc"],
+        [*EVAL, *EVAL_SAMPLED],
+        list(COV),
+        list(SELECTION),
+        [*THROUGHPUT, *TIME],
+    ]
     for grid, metrics in zip(grids, expected):
         assert [p.y for p in grid.panels] == [[m] for m in metrics]  # one line plot per metric
         for p in grid.panels:  # seeds aggregated: mean line, min-max band; one spec the server accepts

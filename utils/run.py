@@ -154,6 +154,10 @@ def check_args(args, world_size: int, method_checks=()) -> None:
         f"--max-tokens-per-micro-batch ({args.max_tokens_per_micro_batch}) must be 0 or hold the longest sequence, "
         f"--max-prompt-length + --max-response-length = {longest}",
     )
+    check(
+        0 <= args.top_entropy_quantile <= 1,
+        f"--top-entropy-quantile must be in [0, 1] (got {args.top_entropy_quantile}): the fraction of tokens trained",
+    )
     for ok, message in method_checks:
         check(ok, message)
 
@@ -165,6 +169,17 @@ def all_reduce_sums(values: dict, device) -> dict:
     tensor = torch.stack([torch.as_tensor(values[k], dtype=torch.float64, device=device).reshape(()) for k in keys])
     dist.all_reduce(tensor)
     return dict(zip(keys, tensor.tolist()))
+
+
+def gather_ranks(x: torch.Tensor):
+    """Concatenate x (any first-dim length) over all ranks in rank order; also return where this rank's rows start."""
+    size = torch.tensor([x.shape[0]], device=x.device)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, size)
+    sizes = [int(n) for n in sizes]
+    parts = [x.new_empty((max(sizes), *x.shape[1:])) for _ in sizes]
+    dist.all_gather(parts, torch.cat([x, x.new_zeros((max(sizes) - x.shape[0], *x.shape[1:]))]))
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)]), sum(sizes[: dist.get_rank()])
 
 
 def micro_batches(sizes: list, args, device):

@@ -4,6 +4,9 @@
 # runs/testbed_compare/ (emptied first) and the table and plots to benchmarks/results/testbed/ (the README's results).
 #
 #   bash benchmarks/reproduce/testbed.sh                        # 4 methods x 3 seeds x 200 steps, 2 runs at a time
+#   METHODS="grpo_vanilla grpo_vanilla_top20 grpo_vanilla_top50 grpo_aent_top20 grpo_aent_target" \
+#     OUT=runs/testbed_selection RESULTS=benchmarks/results/testbed/selection bash benchmarks/reproduce/testbed.sh
+#                                                               # token selection and the target rule (below)
 #   PARALLEL=1 bash benchmarks/reproduce/testbed.sh             # one run at a time (1-core machines)
 #   SEEDS="1" STEPS=50 bash benchmarks/reproduce/testbed.sh     # a quick look
 #   DRY_RUN=1 bash benchmarks/reproduce/testbed.sh              # print the commands only
@@ -45,7 +48,8 @@ COMMON=(
   --num-mini-batches 2 --micro-batch-size 32 --learning-rate 2e-4 --warmup-steps 5 --no-gradient-checkpointing
   --vllm-is-cap 0
 )
-# Each method's own flags; everything else is COMMON. The published values are for 1.5B-7B models, thousands of tokens
+# Each configuration's script and own flags (a name that is not a script is a variant: the script it runs, then its
+# flags; compare.py groups runs by the name, passed as --exp-name); everything else is COMMON. The published values are for 1.5B-7B models, thousands of tokens
 # per response and hundreds of steps; here a response is ~31 tokens, most of them near-deterministic copies (entropy
 # ~0.13 nats per token at the start), an optimizer mini-batch ~2,000 tokens, 200 steps:
 method_flags() {
@@ -64,16 +68,43 @@ method_flags() {
     # (paper: 1) because covariances are smaller on this short-response task; the recipe's PPO clip 1 / 1 is not used
     # (0.2 / 0.2 as the other methods), so that the only difference from vanilla is the dropped gradient
     grpo_clipcov) echo "--clip-cov-ratio 0.02 --clip-cov-lb 0.5 --clip-cov-ub 5 --clip-eps-low 0.2 --clip-eps-high 0.2" ;;
+    # the 80/20 rule (arXiv 2506.01939): the paper's rho = 0.2 as published; here a response has ~31 tokens, ~20 of
+    # them near-deterministic copies, so the top 20% (~6 a response) hold ~95% of the entropy (the kept tokens' mean
+    # entropy ~0.65 nats against ~0.13 for all); global scope, the loss normalised over every token (the defaults)
+    grpo_vanilla_top20) echo "grpo_vanilla --top-entropy-quantile 0.2" ;;
+    # one more rho: half the tokens (the paper's ablation also tried 0.5 and 0.1)
+    grpo_vanilla_top50) echo "grpo_vanilla --top-entropy-quantile 0.5" ;;
+    # AEnt synced with the selection (TRL's sync: the bonus is a mean over the kept tokens and the coefficient sees
+    # their clamped entropy, ~0.62-0.70 nats at the start, ~4.7x the all-token 0.133): the box is grpo_aent's
+    # [0.08, 0.10] (60-75% of the start) at the same 60-75% of the kept tokens' start; as a mean over 20% of the
+    # tokens that hold ~95% of the entropy the bonus pushes ~1/rho = 5x harder at the same coefficient, so coef_0 and
+    # its range are grpo_aent's / 5, and its step size / 5 / 4.7 (deviations from the box are ~4.7x larger in nats)
+    grpo_aent_top20) echo "grpo_aent --top-entropy-quantile 0.2 --clamp-p 0.33 --entropy-coef 0.01 --entropy-low 0.38
+                           --entropy-high 0.47 --entropy-coef-lr 0.02 --entropy-coef-warmup 10 --entropy-coef-min 0
+                           --entropy-coef-max 0.1" ;;
+    # the target rule with --clamp-p 0: TRL 1.16's / Skywork-OR1's plain entropy bonus, every token. TRL's delta
+    # (0.005 a step) and initial coefficient 0; the target (TRL, Skywork: 0.2 nats, ~30% of a 1.5B model's 0.65-0.72
+    # at the start) is put mid-way in grpo_aent's box, 0.09 (~70% of the testbed's 0.133), so both controllers aim at
+    # the same entropy; the range [0, 0.5] is grpo_aent's (TRL: [0, 1])
+    grpo_aent_target) echo "grpo_aent --coef-rule target --clamp-p 0 --entropy-target 0.09 --entropy-coef 0
+                            --entropy-coef-delta 0.005 --entropy-coef-min 0 --entropy-coef-max 0.5" ;;
     *) echo "unknown method $1" >&2; exit 1 ;;
   esac
+}
+method_script() {  # the script a configuration runs: its own name, or a variant's first word
+  if [ -f "$1.py" ]; then echo "$1.py"; else read -r script _ <<< "$(method_flags "$1")"; echo "$script.py"; fi
+}
+own_flags() {  # a configuration's flags without a variant's script
+  if [ -f "$1.py" ]; then method_flags "$1"; else read -r _ flags <<< "$(method_flags "$1" | tr '\n' ' ')"; echo "$flags"; fi
 }
 
 i=0
 for seed in $SEEDS; do  # seed-major, so a partial result has every method
   for method in $METHODS; do
     # shellcheck disable=SC2046  # the method's flags are split on purpose
-    cmd=("$PY" -m torch.distributed.run --nproc_per_node 1 --master_port $((PORT + i)) "$method.py" "${COMMON[@]}"
-         $(method_flags "$method") --seed "$seed")
+    method_flags "$method" >/dev/null || exit 1
+    cmd=("$PY" -m torch.distributed.run --nproc_per_node 1 --master_port $((PORT + i)) "$(method_script "$method")"
+         "${COMMON[@]}" $(own_flags "$method") --exp-name "$method" --seed "$seed")
     i=$((i + 1))
     if [ -n "${DRY_RUN:-}" ]; then printf '%q ' "${cmd[@]}"; echo; continue; fi
     while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n || true; done

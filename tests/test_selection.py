@@ -1,0 +1,256 @@
+"""Entropy-based token selection (the 80/20 rule, --top-entropy-quantile) in every method, and AEnt's target rule
+(--coef-rule target): the selection against TRL 1.16's published definition on 2 real gloo ranks, the global scope's
+layout independence through the real scripts, the target rule against TRL's update replayed on a run's log, resume."""
+
+import math
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from launch import final_weights, free_port, read_metrics, run_dir, run_script, script_flags, trainer_state
+from safetensors.torch import load_file
+
+import grpo_aent as ga
+import grpo_clipcov as gc
+import grpo_klcov as gk
+import grpo_vanilla as gv
+
+
+def test_every_script_shares_the_selection():
+    import inspect
+
+    for name in ("quantile", "entropy_selection", "Selection"):
+        source = inspect.getsource(getattr(gv, name))
+        assert all(inspect.getsource(getattr(m, name)) == source for m in (ga, gk, gc)), name
+
+
+def bf16_values(n: int, seed: int) -> torch.Tensor:
+    """Entropy-like values with many exact ties (bf16-rounded, as a bf16 model's entropies are)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, generator=g).mul(3).to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 10, 97, 1000, 4097])
+@pytest.mark.parametrize("q", [0.0, 0.2, 0.5, 0.8, 0.999, 1.0])
+def test_quantile_is_torch_quantile_bit_for_bit(n, q):
+    for x in (torch.randn(n, generator=torch.Generator().manual_seed(n)), bf16_values(n, n)):
+        assert torch.equal(gv.quantile(x, q), torch.quantile(x, q)), (n, q)
+
+
+def test_quantile_beyond_torch_quantiles_limit():
+    """torch.quantile refuses more than 2^24 values; ours gives the linear-interpolation quantile there."""
+    n = (1 << 24) + 3
+    x = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError):
+        torch.quantile(x, 0.8)
+    values = np.sort(x.numpy().astype(np.float64))
+    pos = 0.8 * (n - 1)
+    expected = values[int(pos)] + (pos - int(pos)) * (values[int(pos) + 1] - values[int(pos)])
+    assert gv.quantile(x, 0.8).item() == pytest.approx(expected, abs=1e-6)
+
+
+def trl_high_entropy_mask(entropies, mask, threshold):
+    """TRL 1.16 GRPOTrainer.get_high_entropy_mask as published, with torch.distributed in place of accelerate: the
+    valid tokens' entropies padded with -1e9 to the longest rank, gathered, the padding dropped, torch.quantile."""
+    local = entropies[mask.bool()].float()
+    size = torch.tensor([local.numel()])
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, size)
+    width = int(max(sizes))
+    padded = torch.cat([local, torch.full((width - local.numel(),), -1e9)])
+    parts = [torch.empty(width) for _ in sizes]
+    dist.all_gather(parts, padded)
+    gathered = torch.cat(parts)
+    gathered = gathered[gathered != -1e9]
+    if gathered.numel() == 0:
+        return torch.zeros_like(entropies, dtype=torch.bool)
+    entropy_threshold = torch.quantile(gathered, threshold)
+    masked_entropies = entropies * mask.float()
+    return (masked_entropies >= entropy_threshold) & mask.bool()
+
+
+def _selection_worker(rank, world_size, port, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        for case in range(6):
+            g = torch.Generator().manual_seed(100 * case + rank)
+            rows, width = (3, 9) if rank == 0 else (2 + case % 2, 5 + case)  # unequal token counts per rank
+            lengths = torch.randint(1, width + 1, (rows,), generator=g)
+            mask = torch.arange(width)[None, :] < lengths[:, None]
+            entropies = torch.rand(rows, width, generator=g).mul(2).to(torch.bfloat16).float()  # ties
+            entropies[mask.logical_not()] = 7.0  # padding holds garbage: it must not count
+            if case >= 3:
+                entropies[mask] = entropies[mask].round()  # few distinct values: the threshold sits on ties
+            flat = entropies[mask]  # a micro-batch's response tokens, as the scripts hold them
+            for rho in (0.0, 0.2, 1.0):
+                ours = gv.entropy_selection({0: flat}, rho)
+                trl = trl_high_entropy_mask(entropies, mask, 1 - rho)
+                same = torch.equal(ours.kept[0], trl[mask])
+                results[(rank, case, rho)] = (same, int(trl.sum()), ours.threshold, flat.numel())
+                n_kept = torch.tensor([int(trl.sum())])
+                dist.all_reduce(n_kept)
+                n_all = torch.tensor([flat.numel()])
+                dist.all_reduce(n_all)
+                results[(rank, case, rho, "scale")] = ours.scale == pytest.approx(n_all.item() / n_kept.item())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_selection_equals_trls_published_mask_on_two_ranks():
+    """TRL 1.16's top_entropy_quantile on entropies with ties and unequal token counts per rank, rho 0, 0.2, 1: the
+    same tokens on each rank (rho 0: the maximum only; rho 1: every token), and the same threshold on both ranks."""
+    results = mp.Manager().dict()
+    mp.spawn(_selection_worker, args=(2, free_port(), results), nprocs=2, join=True)
+    for case in range(6):
+        for rho in (0.0, 0.2, 1.0):
+            (same0, kept0, t0, n0), (same1, kept1, t1, n1) = results[(0, case, rho)], results[(1, case, rho)]
+            assert same0 and same1 and t0 == t1, (case, rho)
+            assert results[(0, case, rho, "scale")] and results[(1, case, rho, "scale")]
+            assert kept0 + kept1 == n0 + n1 if rho == 1.0 else 1 <= kept0 + kept1 < n0 + n1, (case, rho)
+
+
+# ---- end to end: real scripts, DeepSpeed on gloo, HF generate (the sampler is not under test here) ----
+# 8 prompts x 4 samples, 2 mini-batches of 16 sequences: 1 rank x 4 micro-batches, 2 ranks x 2, 2 ranks packed
+LAYOUTS = {
+    "one": (1, {"micro-batch-size": 4}),
+    "two": (2, {"micro-batch-size": 4}),
+    "packed": (2, {"micro-batch-size": 4, "max-tokens-per-micro-batch": 168, "padding-free": True}),
+}
+SELECT = {"total-steps": 1, "num-prompts-per-step": 8, "group-size": 4, "num-mini-batches": 2, "no-use-vllm": True}
+METHODS = {
+    "grpo_vanilla.py": {"top-entropy-quantile": 0.2},
+    "grpo_aent.py": {"top-entropy-quantile": 0.2, "entropy-mask-norm": "kept", "entropy-coef-warmup": 0},
+    "grpo_klcov.py": {"top-entropy-quantile": 0.3, "kl-cov-ratio": 0.05},
+    "grpo_clipcov.py": {"top-entropy-quantile": 0.2, "clip-cov-ratio": 0.05, "clip-cov-lb": 0.0},
+}
+
+
+@pytest.mark.parametrize("script", list(METHODS))
+def test_global_scope_trains_the_same_tokens_on_any_layout(testbed, tmp_path, script):
+    """The same threshold, kept tokens, metrics and weights for 1 rank x 4 micro-batches, 2 ranks x 2 and a packed
+    token budget on 2 ranks: the selection covers the mini-batch of all ranks, whatever its layout."""
+    for name, (nproc, layout) in LAYOUTS.items():
+        run_script(script, script_flags(testbed, **SELECT, **METHODS[script], **layout), tmp_path / name, nproc)
+    runs = {name: read_metrics(run_dir(tmp_path / name)) for name in LAYOUTS}
+    (a,) = runs["one"]
+    rho = METHODS[script]["top-entropy-quantile"]
+    assert rho - 0.01 <= a["entropy/kept_frac"] < rho + 0.05 and a["entropy/kept"] > a["entropy/full"]
+    assert a["entropy/mask_threshold"] > 0 and a["losses/grad_norm"] > 0
+    for name in ("two", "packed"):
+        (b,) = runs[name]
+        for key, value in a.items():
+            if not key.startswith("time/") and key not in ("charts/tokens_per_second", "charts/padding_frac"):
+                assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, key)
+    before = load_file(os.path.join(testbed.model_dir, "model.safetensors"))
+    weights = {name: final_weights(run_dir(tmp_path / name)) for name in LAYOUTS}
+    assert any(not torch.equal(before[k], weights["one"][k]) for k in before), "weights did not change"
+    for name in ("two", "packed"):
+        assert all(torch.allclose(weights["one"][k], weights[name][k], atol=5e-5) for k in before), name
+
+
+@pytest.mark.parametrize("script", list(METHODS))
+def test_microbatch_scope_selects_per_micro_batch_from_the_current_entropies(testbed, tmp_path, script):
+    """TRL's scope, 2 ranks x 2 micro-batches per mini-batch: one threshold per micro-batch (of both ranks), from the
+    training forward's entropies; the single-update path (no log-prob pass) included for vanilla."""
+    flags = {**SELECT, **METHODS[script], "entropy-mask-scope": "microbatch", "micro-batch-size": 4}
+    if script == "grpo_vanilla.py":
+        flags["num-mini-batches"] = 1  # one on-policy update: the training forward is the only forward
+    run_script(script, script_flags(testbed, **flags), tmp_path, nproc=2)
+    (r,) = read_metrics(run_dir(tmp_path))
+    rho = METHODS[script]["top-entropy-quantile"]
+    assert rho - 0.01 <= r["entropy/kept_frac"] < rho + 0.05 and r["entropy/kept"] > r["entropy/full"]
+    assert r["entropy/mask_threshold"] > 0 and math.isfinite(r["losses/policy_loss"]) and r["losses/grad_norm"] > 0
+
+
+def test_rho_out_of_range_is_refused():
+    args = gv.Args(top_entropy_quantile=1.5)
+    with pytest.raises(SystemExit, match="--top-entropy-quantile must be in"):
+        gv.validate_args(args, 1)
+
+
+# ---- AEnt's target rule (Skywork-OR1, TRL 1.16's use_adaptive_entropy) ----
+def trl_adaptive_entropy(entropies, coef, delta, target, low, high):
+    """TRL 1.16's controller as published: the bonus in a window uses the coefficient only if the previous window's
+    world entropy was <= target (none in the first); after each optimizer step the coefficient moves by +-delta."""
+    applied, coefs, last = [], [], math.inf
+    for h in entropies:
+        coefs.append(coef)
+        applied.append(coef if last <= target else 0.0)
+        coef = min(coef + delta, high) if h <= target else max(coef - delta, low)
+        last = h
+    return coefs, applied, coef
+
+
+def test_next_target_coef_and_gate():
+    limits = dict(coef_min=0.0, coef_max=0.012)
+    assert ga.next_target_coef(0.01, 0.2, target=0.2, delta=0.005, **limits) == 0.012  # at the target: up, clipped
+    assert ga.next_target_coef(0.01, 0.21, target=0.2, delta=0.005, **limits) == pytest.approx(0.005)
+    assert ga.next_target_coef(0.003, 0.5, target=0.2, delta=0.005, **limits) == 0.0
+    assert not ga.target_gate(None, 0.2) and ga.target_gate(0.2, 0.2) and not ga.target_gate(0.2001, 0.2)
+
+
+TARGET = {
+    "coef-rule": "target",
+    "clamp-p": 0.0,
+    "entropy-coef": 0.0,
+    "entropy-coef-delta": 0.02,
+    "entropy-coef-min": 0.0,
+    "entropy-coef-max": 0.05,
+    "top-entropy-quantile": 0.2,
+    "no-use-vllm": True,
+    "total-steps": 5,
+    "num-mini-batches": 2,
+    "micro-batch-size": 4,
+    "save-every": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def target_run(testbed, tmp_path_factory):
+    """5 steps of the target rule synced with the selection; the target is put inside the kept tokens' entropies of
+    a first run, so that the coefficient moves both ways and the gate both opens and closes."""
+    probe = tmp_path_factory.mktemp("probe")
+    run_script("grpo_aent.py", script_flags(testbed, **{**TARGET, "total-steps": 3, "save-every": 0}), probe, nproc=0)
+    seen = sorted(r["entropy/clamped_train"] for r in read_metrics(run_dir(probe)))
+    target = round((seen[0] + seen[1]) / 2, 6)
+    out = tmp_path_factory.mktemp("target")
+    run_script("grpo_aent.py", script_flags(testbed, **TARGET, **{"entropy-target": target}), out, nproc=0)
+    return run_dir(out), target
+
+
+def test_target_rule_equals_trls_update_replayed_on_the_logged_entropies(target_run):
+    path, target = target_run
+    rows = read_metrics(path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    h = [r["entropy/clamped_train"] for r in rows]
+    coefs, applied, final = trl_adaptive_entropy(h, 0.0, 0.02, target, 0.0, 0.05)
+    assert [r["entropy/coef"] for r in rows] == pytest.approx(coefs, abs=1e-12)
+    assert [r["entropy/coef_applied"] for r in rows] == pytest.approx(applied, abs=1e-12)
+    assert rows[0]["entropy/coef_applied"] == 0 and rows[0]["entropy/bonus"] == 0  # no bonus before a measurement
+    state = trainer_state(path)["method_state"]
+    assert state["entropy_coef"] == pytest.approx(final, abs=1e-12) and state["last_entropy"] == h[-1]
+    # synced with the selection: the controller sees the kept tokens' entropy (clamp-p 0: the full entropy)
+    assert all(r["entropy/clamped_train"] > 2 * r["entropy/full"] for r in rows)
+    for r in rows:  # the bonus is coef x the mean entropy of the kept tokens (2 updates per step, token-mean)
+        assert r["entropy/bonus"] == pytest.approx(r["entropy/coef_applied"] * r["entropy/clamped_train"], rel=0.1)
+
+
+def test_killed_target_rule_run_resumes_the_same_coefficient_trajectory(testbed, target_run, tmp_path):
+    path, target = target_run
+    flags = script_flags(testbed, **TARGET, **{"entropy-target": target})
+    proc = run_script("grpo_aent.py", flags, tmp_path, nproc=0, fault="kill-step:7", check=False)  # in step 4
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    resumed = run_dir(tmp_path)
+    assert trainer_state(resumed)["step"] == 3
+    run_script("grpo_aent.py", flags + ["--resume", resumed], tmp_path, nproc=0)
+    a, b = read_metrics(path), read_metrics(resumed)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    for x, y in zip(a, b):
+        for key in ("entropy/coef", "entropy/coef_applied", "entropy/clamped_train", "entropy/kept_frac"):
+            assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-9), (x["step"], key)
+    assert trainer_state(resumed)["method_state"] == pytest.approx(trainer_state(path)["method_state"], rel=1e-5)
