@@ -1,6 +1,7 @@
 """Entropy-based token selection (the 80/20 rule, --top-entropy-quantile) in every method, and AEnt's target rule
-(--coef-rule target): the selection against TRL 1.16's published definition on 2 real gloo ranks, the global scope's
-layout independence through the real scripts, the target rule against TRL's update replayed on a run's log, resume."""
+(--coef-rule target): the selection against TRL 1.16's published definition on 2 real gloo ranks, TRL's micro-batch
+scope through every script, the target rule against TRL's update replayed on a run's log, resume. The global scope's
+layout independence: tests/test_selection_layouts.py."""
 
 import math
 import os
@@ -11,8 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from launch import final_weights, free_port, read_metrics, run_dir, run_script, script_flags, trainer_state
-from safetensors.torch import load_file
+from launch import free_port, read_metrics, run_dir, run_script, script_flags, trainer_state
 
 import grpo_aent as ga
 import grpo_clipcov as gc
@@ -114,14 +114,9 @@ def test_selection_equals_trls_published_mask_on_two_ranks():
             assert kept0 + kept1 == n0 + n1 if rho == 1.0 else 1 <= kept0 + kept1 < n0 + n1, (case, rho)
 
 
-# ---- end to end: real scripts, DeepSpeed on gloo, HF generate (the sampler is not under test here) ----
-# 8 prompts x 4 samples, 2 mini-batches of 16 sequences: 1 rank x 4 micro-batches, 2 ranks x 2, 2 ranks packed
-LAYOUTS = {
-    "one": (1, {"micro-batch-size": 4}),
-    "two": (2, {"micro-batch-size": 4}),
-    "packed": (2, {"micro-batch-size": 4, "max-tokens-per-micro-batch": 168, "padding-free": True}),
-}
-SELECT = {"total-steps": 1, "num-prompts-per-step": 8, "group-size": 4, "num-mini-batches": 2, "no-use-vllm": True}
+# ---- end to end: real scripts, DeepSpeed on gloo ----
+# 8 prompts x 4 samples, 2 mini-batches of 16 sequences (the layouts: tests/test_selection_layouts.py)
+SELECT = {"total-steps": 1, "num-prompts-per-step": 8, "group-size": 4, "num-mini-batches": 2}
 METHODS = {
     "grpo_vanilla.py": {"top-entropy-quantile": 0.2},
     "grpo_aent.py": {"top-entropy-quantile": 0.2, "entropy-mask-norm": "kept", "entropy-coef-warmup": 0},
@@ -131,33 +126,16 @@ METHODS = {
 
 
 @pytest.mark.parametrize("script", list(METHODS))
-def test_global_scope_trains_the_same_tokens_on_any_layout(testbed, tmp_path, script):
-    """The same threshold, kept tokens, metrics and weights for 1 rank x 4 micro-batches, 2 ranks x 2 and a packed
-    token budget on 2 ranks: the selection covers the mini-batch of all ranks, whatever its layout."""
-    for name, (nproc, layout) in LAYOUTS.items():
-        run_script(script, script_flags(testbed, **SELECT, **METHODS[script], **layout), tmp_path / name, nproc)
-    runs = {name: read_metrics(run_dir(tmp_path / name)) for name in LAYOUTS}
-    (a,) = runs["one"]
-    rho = METHODS[script]["top-entropy-quantile"]
-    assert rho - 0.01 <= a["entropy/kept_frac"] < rho + 0.05 and a["entropy/kept"] > a["entropy/full"]
-    assert a["entropy/mask_threshold"] > 0 and a["losses/grad_norm"] > 0
-    for name in ("two", "packed"):
-        (b,) = runs[name]
-        for key, value in a.items():
-            if not key.startswith("time/") and key not in ("charts/tokens_per_second", "charts/padding_frac"):
-                assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, key)
-    before = load_file(os.path.join(testbed.model_dir, "model.safetensors"))
-    weights = {name: final_weights(run_dir(tmp_path / name)) for name in LAYOUTS}
-    assert any(not torch.equal(before[k], weights["one"][k]) for k in before), "weights did not change"
-    for name in ("two", "packed"):
-        assert all(torch.allclose(weights["one"][k], weights[name][k], atol=5e-5) for k in before), name
-
-
-@pytest.mark.parametrize("script", list(METHODS))
 def test_microbatch_scope_selects_per_micro_batch_from_the_current_entropies(testbed, tmp_path, script):
     """TRL's scope, 2 ranks x 2 micro-batches per mini-batch: one threshold per micro-batch (of both ranks), from the
     training forward's entropies; the single-update path (no log-prob pass) included for vanilla."""
-    flags = {**SELECT, **METHODS[script], "entropy-mask-scope": "microbatch", "micro-batch-size": 4}
+    flags = {
+        **SELECT,
+        **METHODS[script],
+        "entropy-mask-scope": "microbatch",
+        "micro-batch-size": 4,
+        "no-use-vllm": True,
+    }
     if script == "grpo_vanilla.py":
         flags["num-mini-batches"] = 1  # one on-policy update: the training forward is the only forward
     run_script(script, script_flags(testbed, **flags), tmp_path, nproc=2)
