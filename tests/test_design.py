@@ -88,3 +88,19 @@ def test_method_definitions_are_under_a_banner(script):
         if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in vanilla and first <= n.lineno <= last
     ]
     assert not shared_inside, f"{script}: shared {shared_inside} inside the method's block"
+
+
+def test_no_file_points_outside_the_repository():
+    """Users have only this repository: no tracked file cites the developers' notes folder beside it."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    outside = "../" + "shared"  # not spelled out here, or this file would match
+    hits = []
+    for name in files:
+        try:
+            with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+                hits += [name] if outside in f.read() else []
+        except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
+            continue  # binary files (plots, weights)
+    assert not hits, hits

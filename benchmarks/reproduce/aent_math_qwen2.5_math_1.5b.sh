@@ -2,7 +2,8 @@
 # AEnt's MATH run ("On Entropy Control in LLM-RL Algorithms", arXiv 2509.03493): Qwen2.5-Math-1.5B on MATH,
 # 512 prompts x 16 samples per step, 1024 / 3072 prompt / response tokens. All four methods x seeds, then evaluation
 # of every final model with the paper's evaluation settings and the comparison (plots, table, entropy-performance law).
-# Settings: ../shared/notes/methods.md. The paper used 4 GPUs; the scripts' results do not depend on the GPU count.
+# Settings: the paper's, each written out below (README, "AEnt", lists them). The paper used 4 GPUs; the scripts'
+# results do not depend on the GPU count.
 #
 #   bash benchmarks/reproduce/aent_math_qwen2.5_math_1.5b.sh               # everything, one run after another
 #   DRY_RUN=1 bash benchmarks/reproduce/aent_math_qwen2.5_math_1.5b.sh     # print the commands only

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The Cov methods' Qwen2.5-32B run ("The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617): Qwen2.5-32B on
 # DAPO-Math-17k, 256 prompts x 8 samples per step, 8192 response tokens, lr 1e-6, no KL, no entropy bonus, on 4 nodes
-# x 8 GPUs with vLLM tensor parallel 2. All four methods x seeds, then evaluation and comparison. Settings:
-# ../shared/notes/methods.md; memory plan: README.md ("Memory plan").
+# x 8 GPUs with vLLM tensor parallel 2. All four methods x seeds, then evaluation and comparison. Settings: the
+# paper's, each written out below; memory plan: benchmarks/results/gpu_memory_plan.md.
 #
 #   bash benchmarks/reproduce/cov_qwen2.5_32b.sh               # on the first node of the hostfile
 #   DRY_RUN=1 bash benchmarks/reproduce/cov_qwen2.5_32b.sh     # print the commands only

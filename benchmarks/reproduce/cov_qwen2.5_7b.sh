@@ -2,7 +2,7 @@
 # The Cov methods' Qwen2.5-7B run ("The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617): Qwen2.5-7B on
 # DAPO-Math-17k, 256 prompts x 8 samples per step, 8192 response tokens, lr 1e-6, no KL, no entropy bonus.
 # All four methods x seeds, then evaluation of every final model and the comparison (plots, table, the law
-# R = -a exp(H) + b that this paper proposed). Settings: ../shared/notes/methods.md.
+# R = -a exp(H) + b that this paper proposed). Settings: the paper's, each written out below.
 #
 #   bash benchmarks/reproduce/cov_qwen2.5_7b.sh               # everything, one run after another
 #   DRY_RUN=1 bash benchmarks/reproduce/cov_qwen2.5_7b.sh     # print the commands only
