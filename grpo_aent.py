@@ -24,7 +24,7 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from utils import checkpoints, run
+from utils import checkpoints, ops, run
 from utils.data import check_model, eval_prompts, load_tokenizer, step_prompt_indices, tokenized_prompts
 from utils.reward import default_grading_workers, grade_all
 
@@ -265,29 +265,6 @@ def ppo_clip_loss(logp, old_logp, advantages, eps_low: float, eps_high: float, c
 
 
 # ---- AEnt: the clamped entropy and the coefficient step ----
-def kth_smallest(z: torch.Tensor, k: int) -> torch.Tensor:
-    """torch.kthvalue(z, k, dim=-1, keepdim=True).values for z [R, V], cheaper on a CPU, whose quickselect costs a
-    mispredicted branch per element and pass (~2 ms a row at V = 152k): a strided sample brackets each row's k-th value,
-    one vectorised pass counts the values below the bracket, and kthvalue finishes on the ~7% inside it. A row whose
-    bracket misses it (the sample off by over 5 binomial standard deviations) falls back to its whole row."""
-    sample = z[:, ::32]
-    rank = k * sample.shape[1] / z.shape[1]  # the k-th value's expected rank in the sample
-    spread = 5 * math.sqrt(rank * (1 - k / z.shape[1])) + 1
-    low, high = math.floor(rank - spread), math.ceil(rank + spread)
-    if not z.is_cpu or low < 1 or high > sample.shape[1]:  # (on a GPU, kthvalue is a radix select already)
-        return z.kthvalue(k, dim=-1, keepdim=True).values
-    lo = sample.kthvalue(low, dim=-1, keepdim=True).values
-    hi = sample.kthvalue(high, dim=-1, keepdim=True).values
-    below = torch.lt(z, lo, out=torch.empty_like(z))  # float 0/1 masks: compared and summed faster than bool ones
-    inside = torch.le(z, hi, out=torch.empty_like(z)).sub_(below)
-    ranks = (k - below.sum(dim=-1)).long().tolist()  # the k-th value's rank among the row's values inside
-    pieces = z[inside.bool()].split(inside.sum(dim=-1).long().tolist())
-    t = torch.empty_like(lo)
-    for row, (piece, j) in enumerate(zip(pieces, ranks)):
-        t[row] = piece.kthvalue(j).values if 1 <= j <= len(piece) else z[row].kthvalue(k).values
-    return t
-
-
 class _ClampedEntropy(torch.autograd.Function):
     """H_S row block by row block. Clamping the logits at the threshold t (the k-th smallest) puts the k dropped ones
     at t, so their mass is known, k e^t, and subtracted: no top-k indices. Only per-row scalars are saved; the
@@ -303,7 +280,7 @@ class _ClampedEntropy(torch.autograd.Function):
         stats = torch.empty((logits.shape[0], 4), dtype=dtype, device=logits.device)
         for z, out in zip(logits.split(rows), stats.split(rows)):
             z = z.to(dtype)
-            t = kth_smallest(z, k) if k else z.amin(dim=-1, keepdim=True) - 1
+            t = ops.kth_smallest(z, k) if k else z.amin(dim=-1, keepdim=True) - 1
             m = z.amax(dim=-1, keepdim=True)
             d = torch.maximum(z, t).sub_(m)
             e = d.exp()
@@ -376,14 +353,6 @@ def rollout_weights(old_logp, sampler_logp, cap: float) -> torch.Tensor:
     return torch.exp(old_logp - sampler_logp).clamp(max=cap)
 
 
-def quantile(x: torch.Tensor, q: float) -> torch.Tensor:
-    """torch.quantile(x, q) of a 1-D tensor (linear interpolation, the same float operations) without its limit of
-    2^24 elements, which a mini-batch of a large run exceeds."""
-    pos = torch.tensor(q, dtype=x.dtype, device=x.device) * (x.numel() - 1)
-    values = x.sort().values
-    return values[pos.long()].lerp(values[pos.ceil().long()], pos - pos.long())
-
-
 class Selection(NamedTuple):
     kept: dict  # micro-batch index -> mask of its tokens at or above the threshold
     entropy: dict  # micro-batch index -> the entropies that decided
@@ -396,7 +365,7 @@ def entropy_selection(entropies: dict, rho: float) -> Selection:
     micro-batch index): the tokens whose entropy is at or above the (1 - rho) quantile of the whole set, ties kept
     (rho 0: the maximum only), as TRL's top_entropy_quantile."""
     gathered = run.gather_ranks(torch.cat(list(entropies.values())))[0]
-    threshold = quantile(gathered, 1 - rho) if gathered.numel() else gathered.new_tensor(math.inf)
+    threshold = ops.quantile(gathered, 1 - rho) if gathered.numel() else gathered.new_tensor(math.inf)
     kept = {i: e >= threshold for i, e in entropies.items()}
     return Selection(kept, entropies, threshold.item(), gathered.numel() / max((gathered >= threshold).sum().item(), 1))
 

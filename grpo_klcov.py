@@ -25,7 +25,7 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from utils import checkpoints, run
+from utils import checkpoints, ops, run
 from utils.data import check_model, eval_prompts, load_tokenizer, step_prompt_indices, tokenized_prompts
 from utils.reward import default_grading_workers, grade_all
 
@@ -306,14 +306,6 @@ def rollout_weights(old_logp, sampler_logp, cap: float) -> torch.Tensor:
     return torch.exp(old_logp - sampler_logp).clamp(max=cap)
 
 
-def quantile(x: torch.Tensor, q: float) -> torch.Tensor:
-    """torch.quantile(x, q) of a 1-D tensor (linear interpolation, the same float operations) without its limit of
-    2^24 elements, which a mini-batch of a large run exceeds."""
-    pos = torch.tensor(q, dtype=x.dtype, device=x.device) * (x.numel() - 1)
-    values = x.sort().values
-    return values[pos.long()].lerp(values[pos.ceil().long()], pos - pos.long())
-
-
 class Selection(NamedTuple):
     kept: dict  # micro-batch index -> mask of its tokens at or above the threshold
     entropy: dict  # micro-batch index -> the entropies that decided
@@ -326,7 +318,7 @@ def entropy_selection(entropies: dict, rho: float) -> Selection:
     micro-batch index): the tokens whose entropy is at or above the (1 - rho) quantile of the whole set, ties kept
     (rho 0: the maximum only), as TRL's top_entropy_quantile."""
     gathered = run.gather_ranks(torch.cat(list(entropies.values())))[0]
-    threshold = quantile(gathered, 1 - rho) if gathered.numel() else gathered.new_tensor(math.inf)
+    threshold = ops.quantile(gathered, 1 - rho) if gathered.numel() else gathered.new_tensor(math.inf)
     kept = {i: e >= threshold for i, e in entropies.items()}
     return Selection(kept, entropies, threshold.item(), gathered.numel() / max((gathered >= threshold).sum().item(), 1))
 

@@ -104,7 +104,7 @@ IN_PROCESS = {
 }
 KERNEL_LINES = ("logprob-kernel", "clamped-entropy")
 PUSH_LINES = ("memory-sleep", "push-sleep1", "push-sleep2", "push-sleep0")
-KERNEL = {"gpu": {"n": 512, "vocab": 151936, "chunk": 128}, "cpu": {"n": 64, "vocab": 4096, "chunk": 16}}
+KERNEL = {"gpu": {"n": 256, "vocab": 151936, "chunk": 64}, "cpu": {"n": 64, "vocab": 4096, "chunk": 16}}
 
 
 def free_port() -> int:

@@ -10,6 +10,7 @@ import torch
 from launch import read_metrics, run_dir, run_script, script_flags, trainer_state
 
 import grpo_aent as ga
+from utils import ops
 
 
 def definition(logits, clamp_p):
@@ -59,7 +60,7 @@ def test_sampled_kth_value_equals_kthvalue_at_a_real_vocabulary(make):
     z[::4, :8] += 12
     for p in (0.001, 0.25, 0.33, 0.9, 0.999):
         k = int(p * z.shape[-1])
-        assert torch.equal(ga.kth_smallest(z, k), z.kthvalue(k, dim=-1, keepdim=True).values), p
+        assert torch.equal(ops.kth_smallest(z, k), z.kthvalue(k, dim=-1, keepdim=True).values), p
 
 
 @pytest.mark.parametrize("clamp_p", [0.25, 0.33])
