@@ -1,6 +1,8 @@
 """Run by tests/test_deepspeed.py under torchrun on CPU: the policy's DeepSpeed config and ZeRO-3 loading in the real
 DeepSpeed engine. `load`: the model is built partitioned (each rank holds its shards from the start) with exactly the
-checkpoint's weights. `bf16`: the GPU config (bf16 weights) accumulates and reduces gradients in fp32."""
+checkpoint's weights, and torch's linear is left alone. `bf16`: the GPU config (bf16 weights) accumulates and reduces
+gradients in fp32. `bucket`: with overlap_comm on (as on GPUs) and a reduce bucket smaller than the embedding, whose
+gradient then takes DeepSpeed's oversized-gradient path (ZeRO-2), the same update as with the default bucket."""
 
 import os
 import sys
@@ -16,16 +18,49 @@ from grpo_vanilla import Args  # noqa: E402
 from utils import run  # noqa: E402
 
 
+def train(args, config, rank: int, sizes: list) -> tuple:
+    """Two updates of two micro-batches each: (grad norm, gathered weights); reduced tensor sizes go to `sizes`."""
+    torch.manual_seed(0)
+    model = run.load_model(args, torch.float32, config)
+    policy = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=config)[
+        0
+    ]
+    if hasattr(policy.optimizer, "average_tensor"):  # ZeRO-2's reduction of one bucket, or of one oversized gradient
+        average = policy.optimizer.average_tensor
+        policy.optimizer.average_tensor = lambda tensor, *a, **k: (
+            sizes.append(tensor.numel()) or average(tensor, *a, **k)
+        )
+    ids = torch.arange(24).view(2, 12) + 10 * rank
+    for _ in range(4):
+        policy.backward(policy(input_ids=ids, labels=ids).loss)
+        policy.step()
+    with deepspeed.zero.GatheredParameters(list(policy.module.parameters()), enabled=args.zero_stage == 3):
+        return policy.get_global_grad_norm(), [p.detach().clone() for p in policy.module.parameters()]
+
+
 def main(mode: str, model_dir: str, stage: int) -> None:
     rank, _, world_size, _, _ = run.init_distributed()
     args = Args(model_name_or_path=model_dir, zero_stage=stage, micro_batch_size=2)
+    linear = torch.nn.functional.linear
     if mode == "load":
         model = run.load_model(args, torch.float32, run.deepspeed_config(args, False, 1))
+        assert torch.nn.functional.linear is linear, "zero.Init replaced torch.nn.functional.linear for the process"
         saved = load_file(os.path.join(model_dir, "model.safetensors"))
         for name, param in model.named_parameters():
             assert hasattr(param, "ds_id") and param.ds_tensor.numel() <= -(-param.ds_numel // world_size), name
             with deepspeed.zero.GatheredParameters([param]):
                 assert torch.equal(param.data, saved[name]), name
+    elif mode == "bucket":
+        default, sizes = run.deepspeed_config(args, False, 2), []
+        small = run.deepspeed_config(args, False, 2)
+        small["zero_optimization"] |= {"reduce_bucket_size": 1000, "allgather_bucket_size": 1000, "overlap_comm": True}
+        norm_a, weights_a = train(args, default, rank, [])
+        norm_b, weights_b = train(args, small, rank, sizes)
+        embedding = weights_a[0].numel()  # the first parameter: the (tied) embedding, 334 x 128
+        assert embedding > 1000 and norm_a == norm_b, (embedding, norm_a, norm_b)
+        assert all(torch.equal(a, b) for a, b in zip(weights_a, weights_b))
+        if stage == 2:  # the embedding's gradient reduced on its own, outside the bucket
+            assert embedding in sizes and max(sizes) == embedding, sizes
     else:  # the config a GPU gets (bf16 weights), on CPU
         config = run.deepspeed_config(args, True, 2)
         model = run.load_model(args, torch.bfloat16, config)

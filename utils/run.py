@@ -290,6 +290,9 @@ def deepspeed_config(args, on_gpu: bool, grad_accum: int) -> dict:
             "offload_param": offload,
             "stage3_param_persistence_threshold": 0,
             "stage3_gather_16bit_weights_on_model_save": True,
+            # zero.Init would replace torch.nn.functional.linear for the whole process (DeepSpeed 0.19.8
+            # partition_parameters.py l. 411-419, never restored), and vLLM looks that name up on every matmul
+            "memory_efficient_linear": False,
         }
     else:
         zero["allgather_bucket_size"] = BUCKET_ELEMENTS
