@@ -17,7 +17,7 @@ LABELS = {
     "entropy/full": "full-vocabulary entropy (nats)",
     "entropy/clamped": "clamped entropy (nats)",
     "entropy/coef": "AEnt coefficient",
-    "entropy/coef_applied": "AEnt coefficient applied (target rule: 0 while gated)",
+    "entropy/coef_applied": "AEnt coefficient as applied (0: gated)",
     "entropy/kept": "entropy of the kept tokens (nats)",
     "entropy/kept_frac": "fraction of tokens kept (80/20 rule)",
     "entropy/mask_threshold": "entropy threshold of the kept tokens (nats)",
