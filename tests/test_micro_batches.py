@@ -31,7 +31,9 @@ def test_packed_and_padded_sequences_give_the_same_logprobs_entropies_and_gradie
     (lp_a, h_a, loss_a, grads_a), (lp_b, h_b, loss_b, grads_b) = results
     assert lp_a.shape == (20,) and torch.allclose(lp_a, lp_b, atol=1e-5) and torch.allclose(h_a, h_b, atol=1e-5)
     assert torch.allclose(loss_a, loss_b, atol=1e-5)
-    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads_a, grads_b))
+    # float32 sums in another order (the packed row's shapes take other kernel blockings): the differences scale with
+    # the gradient's size (entries up to ~30 here); measured <= 1.1e-6 of each tensor's largest entry (AVX-512 Xeon)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-5 * a.abs().max()) for a, b in zip(grads_a, grads_b))
     empty = run.collate([], [], 0, "cpu", torch.zeros(0), True)  # an empty micro-batch: one token, no response
     assert all(x.numel() == 0 for x in gv.response_logprobs(model, empty, 1.0, 4, True))
 
