@@ -51,7 +51,6 @@ import json
 import math
 import os
 import platform
-import re
 import runpy
 import shlex
 import shutil
@@ -66,6 +65,7 @@ from typing import NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from utils import versions  # noqa: E402
 from utils.testbed import CPU_ENV, build_testbed  # noqa: E402
 
 GAP_MAX = {"gpu": 0.1, "cpu": 1e-4}
@@ -73,7 +73,6 @@ GAP_FLOOR = {"gpu": 5e-3, "cpu": 1e-6}
 FLAT = 2.0  # the last gap may be at most this times the first (+ GAP_FLOOR)
 VALUE_TOL, GRAD_TOL = 1e-3, {"bfloat16": 1e-2, "float32": 1e-4}
 GIB = 2**30
-MINIMUM = {"torch": (2, 11), "transformers": (5, 17)}  # the oldest whose sources the code was checked against
 NEEDED = ("torch", "transformers", "accelerate", "deepspeed", "tyro", "datasets", "math_verify", "safetensors")
 BUDGET = {"gpu": 480, "gpu+vllm": 900, "cpu": 1200}  # seconds for the whole (vLLM: its engine starts dominate)
 # the testbed runs: the Makefile's TESTBED_ARGS sizes on GPU, tests/launch.py's script_flags sizes on CPU
@@ -702,16 +701,12 @@ def in_process(a) -> None:
 
 
 def too_old() -> str | None:
-    """One line naming what is missing or older than MINIMUM, or None."""
+    """One line naming what is missing or older than utils.versions.MINIMUM_VERSIONS, or None."""
     missing = [m for m in NEEDED if not importable(m)]
     if missing:
         wheels = "deepspeed, tyro, datasets, math_verify: benchmarks/gpu_wheelhouse.sh"
         return f"not installed: {', '.join(missing)} ({wheels})"
-    for name, least in MINIMUM.items():
-        found = version(name)
-        if tuple(int(x) for x in re.findall(r"\d+", found)[:2]) < least:
-            return f"{name} {found} is older than {'.'.join(map(str, least))}, the oldest the code is checked against"
-    return None
+    return versions.too_old()
 
 
 def hardware(a, vllm: bool) -> tuple[str, str]:

@@ -10,7 +10,6 @@ import importlib.metadata
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import time
@@ -25,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from . import checkpoints
 from .reward import grade, pass_at_k
+from .versions import too_old
 
 # settings that may differ on resume: bookkeeping, and layout/memory choices that leave the trajectory unchanged
 RESUME_MAY_CHANGE = {
@@ -61,23 +61,13 @@ RESUME_MAY_CHANGE = {
 }
 
 
-MINIMUM_VERSIONS = {"torch": (2, 11), "transformers": (5, 17)}  # the oldest whose sources the code was checked against
-
-
-def check_versions() -> None:
-    """A one-line error when torch or transformers is older than MINIMUM_VERSIONS (README: First GPU run)."""
-    for name, least in MINIMUM_VERSIONS.items():
-        found = importlib.metadata.version(name)
-        if tuple(int(x) for x in re.findall(r"\d+", found)[:2]) < least:
-            raise SystemExit(f"error: {name} {found} is older than {'.'.join(map(str, least))}, the oldest supported")
-
-
 def init_distributed():
     """(rank, local_rank, world_size, device, on_gpu) of this process, torch.distributed initialised through DeepSpeed.
 
     Without a launcher (`python grpo_vanilla.py`) it is a world of one process.
     """
-    check_versions()
+    if problem := too_old():  # a one-line error, not a crash deep in a library
+        raise SystemExit(f"error: {problem}")
     defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
