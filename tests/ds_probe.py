@@ -22,9 +22,8 @@ def train(args, config, rank: int, sizes: list) -> tuple:
     """Two updates of two micro-batches each: (grad norm, gathered weights); reduced tensor sizes go to `sizes`."""
     torch.manual_seed(0)
     model = run.load_model(args, torch.float32, config)
-    policy = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=config)[
-        0
-    ]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    policy = deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
     if hasattr(policy.optimizer, "average_tensor"):  # ZeRO-2's reduction of one bucket, or of one oversized gradient
         average = policy.optimizer.average_tensor
         policy.optimizer.average_tensor = lambda tensor, *a, **k: (

@@ -48,10 +48,11 @@ COMMON=(
   --num-mini-batches 2 --micro-batch-size 32 --learning-rate 2e-4 --warmup-steps 5 --no-gradient-checkpointing
   --vllm-is-cap 0
 )
-# Each configuration's script and own flags (a name that is not a script is a variant: the script it runs, then its
-# flags; compare.py groups runs by the name, passed as --exp-name); everything else is COMMON. The published values are for 1.5B-7B models, thousands of tokens
-# per response and hundreds of steps; here a response is ~31 tokens, most of them near-deterministic copies (entropy
-# ~0.13 nats per token at the start), an optimizer mini-batch ~2,000 tokens, 200 steps:
+# Each configuration's own flags (a name that is not a script is a variant: the script it runs, then its flags;
+# compare.py groups runs by the name, passed as --exp-name); everything else is COMMON. The published values are for
+# 1.5B-7B models, thousands of tokens per response and hundreds of steps; here a response is ~31 tokens, most of them
+# near-deterministic copies (entropy ~0.13 nats per token at the start), an optimizer mini-batch ~2,000 tokens, 200
+# steps:
 method_flags() {
   case "$1" in
     grpo_vanilla) echo "" ;;
@@ -91,20 +92,16 @@ method_flags() {
     *) echo "unknown method $1" >&2; exit 1 ;;
   esac
 }
-method_script() {  # the script a configuration runs: its own name, or a variant's first word
-  if [ -f "$1.py" ]; then echo "$1.py"; else read -r script _ <<< "$(method_flags "$1")"; echo "$script.py"; fi
-}
-own_flags() {  # a configuration's flags without a variant's script
-  if [ -f "$1.py" ]; then method_flags "$1"; else read -r _ flags <<< "$(method_flags "$1" | tr '\n' ' ')"; echo "$flags"; fi
-}
 
 i=0
 for seed in $SEEDS; do  # seed-major, so a partial result has every method
   for method in $METHODS; do
     # shellcheck disable=SC2046  # the method's flags are split on purpose
-    method_flags "$method" >/dev/null || exit 1
-    cmd=("$PY" -m torch.distributed.run --nproc_per_node 1 --master_port $((PORT + i)) "$(method_script "$method")"
-         "${COMMON[@]}" $(own_flags "$method") --exp-name "$method" --seed "$seed")
+    flags=$(method_flags "$method" | tr '\n' ' ') || exit 1
+    script=$method  # a variant's flags start with the script it runs
+    [ -f "$script.py" ] || read -r script flags <<< "$flags"
+    cmd=("$PY" -m torch.distributed.run --nproc_per_node 1 --master_port $((PORT + i)) "$script.py" "${COMMON[@]}"
+         $flags --exp-name "$method" --seed "$seed")
     i=$((i + 1))
     if [ -n "${DRY_RUN:-}" ]; then printf '%q ' "${cmd[@]}"; echo; continue; fi
     while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n || true; done
