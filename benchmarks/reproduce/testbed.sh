@@ -7,6 +7,9 @@
 #   METHODS="grpo_vanilla grpo_vanilla_top20 grpo_vanilla_top50 grpo_aent_top20 grpo_aent_target" \
 #     OUT=runs/testbed_selection RESULTS=benchmarks/results/testbed/selection bash benchmarks/reproduce/testbed.sh
 #                                                               # token selection and the target rule (below)
+#   METHODS="grpo_vanilla grpo_mine" METHOD_FLAGS_grpo_mine="--my-coef 0.1" bash benchmarks/reproduce/testbed.sh
+#                                                               # any grpo_<name>.py: its flags (none if unset)
+#   METHOD_FLAGS_grpo_mine_big="grpo_mine --my-coef 1" METHODS="... grpo_mine_big" ...  # a variant: script, flags
 #   PARALLEL=1 bash benchmarks/reproduce/testbed.sh             # one run at a time (1-core machines)
 #   SEEDS="1" STEPS=50 bash benchmarks/reproduce/testbed.sh     # a quick look
 #   DRY_RUN=1 bash benchmarks/reproduce/testbed.sh              # print the commands only
@@ -49,11 +52,17 @@ COMMON=(
   --vllm-is-cap 0
 )
 # Each configuration's own flags (a name that is not a script is a variant: the script it runs, then its flags;
-# compare.py groups runs by the name, passed as --exp-name); everything else is COMMON. The published values are for
+# compare.py groups runs by the name, passed as --exp-name); everything else is COMMON. $METHOD_FLAGS_<name>, when
+# set, replaces the flags below; a grpo_<name>.py without either runs with its defaults. The published values are for
 # 1.5B-7B models, thousands of tokens per response and hundreds of steps; here a response is ~31 tokens, most of them
 # near-deterministic copies (entropy ~0.13 nats per token at the start), an optimizer mini-batch ~2,000 tokens, 200
-# steps:
+# steps. Scale a published value by what it acts on: a per-token coefficient times an entropy in nats keeps its
+# meaning where the tokens it acts on have the paper's entropies (the testbed's top 20% hold ~0.65 nats, as a 1.5B
+# model's average); a fraction of a mini-batch's tokens does not (2e-3 of 2,000 tokens is 4); a coefficient of a mean
+# over all tokens shrinks with the mean entropy (0.13 here):
 method_flags() {
+  local own="METHOD_FLAGS_$1"
+  if [ -n "${!own+set}" ]; then echo "${!own}"; return; fi
   case "$1" in
     grpo_vanilla) echo "" ;;
     # the box (paper's MATH run: 0.15-0.24 nats) is set at 60-75% of the testbed's starting entropy (0.13), where
@@ -89,7 +98,12 @@ method_flags() {
     # the same entropy; the range [0, 0.5] is grpo_aent's (TRL: [0, 1])
     grpo_aent_target) echo "grpo_aent --coef-rule target --clamp-p 0 --entropy-target 0.09 --entropy-coef 0
                             --entropy-coef-delta 0.005 --entropy-coef-min 0 --entropy-coef-max 0.5" ;;
-    *) echo "unknown method $1" >&2; exit 1 ;;
+    # the entropy-based advantage (arXiv 2506.14758) with the paper's GRPO values, unscaled: the bonus alpha H_t is
+    # per token, and its high-entropy tokens (where it is larger than a few % of |A|) have entropies near a 1.5B
+    # model's (0.3-1 nats); the cap |A| / kappa is relative to the advantage, which is normalised the same way here
+    grpo_entadv) echo "--entadv-alpha 0.4 --entadv-kappa 2" ;;
+    *) [ -f "$1.py" ] || { echo "unknown method $1: no $1.py (a variant: METHOD_FLAGS_$1=\"<script> <flags>\")" >&2
+                           exit 1; } ;;
   esac
 }
 

@@ -1,0 +1,683 @@
+"""Entropy-based advantage: GRPO whose advantage gets a bonus for the token's entropy, bounded by the advantage.
+
+Cheng et al. 2025, "Reasoning with Exploration: An Entropy Perspective" (arXiv 2506.14758). What changes relative to
+grpo_vanilla.py, one line in the loss (entropy_advantages):
+1. Per token, A' = A + min(alpha H_t, |A| / kappa), H_t the entropy of the policy in the training forward, detached:
+   the bonus is a reward for exploratory (high-entropy) tokens, never a gradient through H.
+2. The bound |A| / kappa (kappa >= 1) keeps A' of A's sign: a wrong response's tokens stay discouraged, only less
+   so where the policy was unsure; a group whose rewards are all equal (A = 0) gets no bonus.
+
+    deepspeed --num_gpus 8 grpo_entadv.py --model-name-or-path Qwen/Qwen2.5-Math-1.5B --dataset <train file>
+"""
+
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
+
+from utils import checkpoints, ops, run
+from utils.data import check_model, eval_prompts, load_tokenizer, step_prompt_indices, tokenized_prompts
+from utils.reward import default_grading_workers, grade_all
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    track: bool = False
+    """if toggled, this experiment will be tracked with Weights and Biases"""
+    wandb_project_name: str = "grpo-entropy"
+    """the wandb's project name"""
+    wandb_entity: str | None = None
+    """the entity (team) of wandb's project"""
+    wandb_group: str | None = None
+    """the wandb run group (default: exp_name, i.e. the method)"""
+    wandb_tags: tuple[str, ...] = ()
+    """extra wandb tags, next to the method, the git commit and the comma-separated $WANDB_TAGS"""
+    output_dir: str = "runs"
+    """runs/<run_name>/ receives metrics.jsonl, args.json, checkpoints/ and final/"""
+    local_rank: int = -1
+    """set by the deepspeed launcher; the rank is read from the environment"""
+
+    # Model and data
+    model_name_or_path: str = "Qwen/Qwen2.5-Math-1.5B"
+    """the policy to train: a hub id or a local HF directory"""
+    attn_implementation: str = "sdpa"
+    """the policy's attention in transformers: sdpa, eager, or flash_attention_2 (GPUs, with flash-attn installed)"""
+    dataset: str = "DigitalLearningGmbH/MATH-lighteval"
+    """training prompts: a hub id or a local .jsonl/.json/.parquet file (default: MATH's 7,500 training problems)"""
+    dataset_split: str | None = None
+    """split of a hub dataset (default: train)"""
+    question_field: str | None = None
+    """column holding the problem (default: auto-detect problem/question)"""
+    answer_field: str | None = None
+    """column holding the reference answer (default: auto-detect answer/final_answer/solution's \\boxed{})"""
+    eval_dataset: tuple[str, ...] = ()
+    """held-out prompts for periodic evaluation: hub ids or local files, each a set (or one per data_source its rows
+    name), logged as eval/<set>/... and their mean as eval/...; off when empty"""
+    eval_every: int = 10
+    """evaluate every this many steps (and after the last one); 0 disables"""
+    eval_num_prompts: int = 500
+    """evaluate on at most this many prompts of each held-out set"""
+    eval_samples: int = 0
+    """also sample this many responses per eval prompt at the training temperature (eval/mean_acc, pass@k, entropy)"""
+    max_prompt_length: int = 1024
+    """prompts longer than this (in tokens) are dropped and counted, never truncated"""
+    max_response_length: int = 3072
+    """maximum number of generated tokens per response"""
+
+    # Rollouts
+    total_steps: int = 500
+    """number of training steps (each: one rollout batch, then its optimizer updates)"""
+    num_prompts_per_step: int = 128
+    """prompts per step, over all ranks"""
+    group_size: int = 8
+    """responses sampled per prompt (G)"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs and entropies are computed at this temperature"""
+    top_p: float = 1.0
+    """nucleus sampling: must be 1 (checked), the loss's log-probs and entropy are of the full softmax"""
+    grading_workers: int = 0
+    """reward-grading processes (0: this rank's share of the node's cores; 1: serial, in the training process)"""
+    use_vllm: bool = True
+    """generate with a colocated vLLM engine in every rank; `--no-use-vllm` uses HF generate"""
+    vllm_gpu_memory_utilization: float = 0.5
+    """fraction of GPU memory vLLM may take (weights + KV cache)"""
+    vllm_sleep_level: int = 1
+    """GPU only: put the engine to sleep during training (0: never, 1: offload weights, 2: discard weights)"""
+    vllm_tensor_parallel_size: int = 1
+    """ranks per vLLM engine: each group of this many consecutive ranks shares one tensor-parallel engine"""
+
+    # Optimisation
+    learning_rate: float = 1e-6
+    """the learning rate of the optimizer"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """decay after warm-up, over total_steps"""
+    warmup_steps: int = 0
+    """linear learning-rate warm-up, in training steps"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """the maximum norm for gradient clipping"""
+    max_bad_steps: int = 3
+    """abort after this many consecutive steps with a non-finite gradient (DeepSpeed skips them on every rank)"""
+    num_mini_batches: int = 4
+    """optimizer updates per rollout batch and epoch (the batch is split into this many mini-batches)"""
+    num_epochs: int = 1
+    """passes over each rollout batch"""
+    micro_batch_size: int = 4
+    """sequences per forward/backward on each rank (gradient accumulation fills the mini-batch)"""
+    max_tokens_per_micro_batch: int = 0
+    """instead of --micro-batch-size: micro-batches of at most this many tokens (prompt + response), as few as each
+    rank's share of a mini-batch needs and as many on every rank; 0: --micro-batch-size sequences each"""
+    padding_free: bool = False
+    """each micro-batch's sequences in one row without padding, positions restarting per sequence (attention stays
+    within each: flash-attention-2's varlen kernel, or a block-causal mask with sdpa/eager)"""
+    clip_eps_low: float = 0.2
+    """PPO lower clip: ratio >= 1 - eps_low"""
+    clip_eps_high: float = 0.2
+    """PPO upper clip: ratio <= 1 + eps_high (DAPO's clip-higher: 0.28)"""
+    clip_ratio_c: float = 0.0
+    """dual clip: where A < 0 the loss is at most -A c (verl's clip_ratio_c, its default 3); 0: PPO's clip alone"""
+    vllm_is_cap: float = 2.0
+    """truncated importance sampling: each token's loss times min(pi_old / pi_vllm, C) against the sampler's numerical
+    disagreement with the trainer (bf16 kernels); on by default in TRL (C = 2 per token; verl: off); 0 disables"""
+    kl_coef: float = 0.0
+    """coefficient of the k3 KL to the initial policy; 0 (default) does not load a reference model"""
+    scale_rewards: bool = True
+    """divide advantages by the group's reward std (GRPO); `--no-scale-rewards` is Dr. GRPO"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """how per-token losses are averaged over the optimizer mini-batch (all ranks together)"""
+    top_entropy_quantile: float = 1.0
+    """80/20 rule (Wang et al. 2025, arXiv 2506.01939): only tokens whose entropy is at or above the (1 - rho) quantile
+    keep their policy-gradient term (a method's own loss terms too; the reference KL stays on every token); 1: off
+    (paper: 0.2)"""
+    entropy_mask_scope: Literal["global", "microbatch"] = "global"
+    """global (ours): one threshold per optimizer mini-batch over its tokens on all ranks, from the sampling policy's
+    entropies (the log-prob pass: no extra forward, the same tokens in every epoch and whatever the micro-batches,
+    packing and world size); microbatch: TRL 1.16's top_entropy_quantile, the current forward's entropies of each
+    micro-batch over all ranks"""
+    entropy_mask_norm: Literal["all", "kept"] = "all"
+    """the policy-gradient term's denominator counts every response token (TRL, the paper's formula) or only the kept
+    ones (the authors' verl code): 'kept' multiplies it by tokens / kept tokens of the selection set (exact for
+    token-mean)"""
+    logprob_chunk_size: int = 1024
+    """tokens per chunk of the vocabulary projection; bounds the [tokens, vocab] temporaries"""
+
+    # Entropy-based advantage (Cheng et al. 2025, arXiv 2506.14758)
+    entadv_alpha: float = 0.4
+    """alpha: the bonus per nat of entropy, in advantage units (paper: 0.4 with GRPO, 0.1 with PPO); 0: vanilla"""
+    entadv_kappa: float = 2.0
+    """kappa: the bonus is at most |A| / kappa (paper: 2); >= 1, so that it never flips an advantage's sign"""
+
+    # DeepSpeed
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage (2 or 3)"""
+    offload: bool = False
+    """offload optimizer state (and ZeRO-3 parameters) to CPU memory"""
+    gradient_checkpointing: bool = True
+    """recompute activations in the backward pass"""
+
+    # Checkpoints
+    save_every: int = 50
+    """save a resumable checkpoint every this many steps; 0 disables"""
+    keep_checkpoints: int = 2
+    """keep only the newest this many checkpoints"""
+    resume: str | None = None
+    """resume from a run directory (its newest complete checkpoint) or a checkpoint directory"""
+    resume_allow_changes: bool = False
+    """resume even if training settings differ from the checkpoint's (refused by default, naming them)"""
+
+    # filled in at runtime
+    world_size: int = 0
+    """the number of processes"""
+    run_name: str = ""
+    """{exp_name}__{seed}__{unix time}, or the resumed run's name"""
+    git_commit: str = ""
+    """short hash of the code's commit, "-dirty" with uncommitted changes"""
+
+
+def validate_args(args: Args, world_size: int) -> None:
+    """Reject impossible settings at start with one line naming the flag (the shared flags: utils.run.check_args)."""
+    method_checks = [
+        (args.entadv_alpha >= 0, f"--entadv-alpha must be >= 0 (got {args.entadv_alpha})"),
+        (args.entadv_kappa >= 1, f"--entadv-kappa must be >= 1 (got {args.entadv_kappa}): below 1 A' can flip sign"),
+    ]
+    run.check_args(args, world_size, method_checks)
+
+
+def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """A = (R - mean_group(R)) / (std_group(R) + eps) for rewards [prompts, G]; no division when not `scale`."""
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    return centered / (rewards.std(dim=1, keepdim=True) + eps) if scale else centered
+
+
+def token_weights(lengths: torch.Tensor, loss_agg: str, n_tokens: float, n_seqs: float, max_len: int) -> torch.Tensor:
+    """Weight of each response token so that sum(weight * loss) is the loss of the optimizer mini-batch of all ranks
+    (n_tokens, n_seqs: its totals; lengths: the local sequences'): token-mean 1 / n_tokens, seq-mean-token-mean
+    1 / (len_i n_seqs), seq-mean-token-sum-norm (Dr. GRPO) 1 / (max_len n_seqs): independent of the layout."""
+    if loss_agg == "token-mean":
+        per_seq = torch.full_like(lengths, 1.0 / n_tokens, dtype=torch.float32)
+    elif loss_agg == "seq-mean-token-mean":
+        per_seq = 1.0 / (lengths.float() * n_seqs)
+    elif loss_agg == "seq-mean-token-sum-norm":
+        per_seq = torch.full_like(lengths, 1.0 / (max_len * n_seqs), dtype=torch.float32)
+    else:
+        raise ValueError(f"unknown loss_agg {loss_agg!r}")
+    return per_seq.repeat_interleave(lengths)
+
+
+def ppo_clip_loss(logp, old_logp, advantages, eps_low: float, eps_high: float, clip_c: float = 0.0):
+    """Per-token PPO-clip loss max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old_logp) (log-ratio
+    clamped to +-20 as verl does), with clip_c > 0 capped at -A clip_c where A < 0 (dual clip), and a mask of the
+    tokens where a clipped branch is active (no gradient flows there)."""
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    loss, cap = torch.maximum(unclipped, clipped), torch.where(advantages < 0, -advantages * clip_c, torch.inf)
+    return (loss.clamp(max=cap), (clipped > unclipped) | (loss > cap)) if clip_c else (loss, clipped > unclipped)
+
+
+def rollout_weights(old_logp, sampler_logp, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    training"): each sampled token's loss weight min(pi_old / pi_sampler, cap), pi_old the trainer's probability."""
+    return torch.exp(old_logp - sampler_logp).clamp(max=cap)
+
+
+class Selection(NamedTuple):
+    kept: dict  # micro-batch index -> mask of its tokens at or above the threshold
+    entropy: dict  # micro-batch index -> the entropies that decided
+    threshold: float
+    scale: float  # tokens / kept tokens of the selection set, all ranks: turns a mean over all into one over the kept
+
+
+def entropy_selection(entropies: dict, rho: float) -> Selection:
+    """The 80/20 rule over a selection set of tokens on all ranks (this rank's: a flat tensor of entropies per
+    micro-batch index): the tokens whose entropy is at or above the (1 - rho) quantile of the whole set, ties kept
+    (rho 0: the maximum only), as TRL's top_entropy_quantile."""
+    gathered = run.gather_ranks(torch.cat(list(entropies.values())))[0]
+    threshold = ops.quantile(gathered, 1 - rho) if gathered.numel() else gathered.new_tensor(math.inf)
+    kept = {i: e >= threshold for i, e in entropies.items()}
+    return Selection(kept, entropies, threshold.item(), gathered.numel() / max((gathered >= threshold).sum().item(), 1))
+
+
+# ---- Entropy-based advantage: the shaping term ----
+def entropy_advantages(advantages, entropy, alpha: float, kappa: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, A' = A + psi with psi = min(alpha H, |A| / kappa), H detached here, and psi
+    itself. H >= 0, so psi >= 0: a positive A grows, a negative one moves towards 0 but, with kappa >= 1, never past."""
+    psi = torch.minimum(alpha * entropy.detach(), advantages.abs() / kappa)
+    return advantages + psi, psi
+
+
+def entadv_metrics(g: dict, num_epochs: int) -> dict:
+    """The shaping's metrics from the step's sums over ranks (every token is shaped once per epoch)."""
+    shaped = g["tokens"] * num_epochs
+    return {
+        "entadv/bonus": g["psi"] / shaped,  # mean psi over the tokens, in advantage units
+        "entadv/bonus_rel": g["psi"] / max(g["abs_adv"], 1e-12),  # sum psi / sum |A|: the shaping's share
+        "entadv/capped_frac": g["capped"] / shaped,  # tokens whose bonus is |A| / kappa (A = 0 included)
+    }
+
+
+class _LogprobEntropy(torch.autograd.Function):
+    """Log-prob of each target and the entropy H = -sum p log p from a chunk of logits [N, vocab] at a temperature.
+
+    Autograd would keep ~5 chunk-sized tensors for the backward; this keeps the scaled float32 logits only and
+    writes the gradient over them in place: d(u logp + w H)/dz_i = u (onehot_i - p_i) - w p_i (log p_i + H).
+    Its backward runs once per forward (each chunk is recomputed for its backward); an output outside the loss gets
+    no gradient term (the entropy of a metric costs nothing in the backward).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature: float, with_entropy: bool):
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        z = logits.to(dtype) / temperature if temperature != 1 or logits.dtype != dtype else logits
+        log_norm = z.logsumexp(dim=-1)
+        logp = z.gather(-1, targets[:, None]).squeeze(-1) - log_norm
+        entropy = (
+            log_norm - torch.linalg.vecdot(torch.softmax(z, dim=-1), z) if with_entropy else torch.zeros_like(logp)
+        )
+        ctx.save_for_backward(z, targets, log_norm, entropy)
+        ctx.set_materialize_grads(False)  # None, not zeros, for an output the loss does not use
+        ctx.temperature, ctx.dtype, ctx.with_entropy = temperature, logits.dtype, with_entropy
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        z, targets, log_norm, entropy = ctx.saved_tensors
+        grad_logp = torch.zeros_like(log_norm) if grad_logp is None else grad_logp
+        log_p = z.sub_(log_norm[:, None])  # z is not needed again: reuse its memory
+        p = log_p.exp()
+        if ctx.with_entropy and grad_entropy is not None:  # log_p becomes -(w (log p + H) + u), then p times it
+            factor = log_p.add_(entropy[:, None]).mul_(grad_entropy[:, None]).add_(grad_logp[:, None]).neg_()
+        else:
+            factor = log_p.copy_(-grad_logp[:, None].expand_as(log_p))
+        grad = p.mul_(factor).scatter_add_(-1, targets[:, None], grad_logp[:, None]).div_(ctx.temperature)
+        return grad.to(ctx.dtype), None, None, None
+
+
+def _logprob_entropy_chunk(lm_head, hidden, targets, temperature: float, with_entropy: bool, extra):
+    logits = lm_head(hidden)
+    logp, entropy = _LogprobEntropy.apply(logits, targets, temperature, with_entropy)
+    return logp, entropy, torch.zeros_like(logp) if extra is None else extra(logits)
+
+
+def chunked_logprobs_entropy(
+    hidden, head, targets, temperature, chunk_size, with_entropy=True, num_chunks=None, extra=None
+):
+    """Log-prob of each target token, full-vocabulary entropy and `extra(logits)` (a method's own per-token value from
+    each chunk's raw logits [n, vocab]; zeros without it) from final hidden states [N, H]: three [N] tensors.
+
+    The [N, vocab] logits are never built: rows go through the head `chunk_size` at a time, each chunk recomputed in
+    the backward pass, so peak memory is bounded by one chunk's logits. `num_chunks` fixes the number of head calls
+    instead (chunks of at most `chunk_size` rows if N <= num_chunks * chunk_size): ZeRO-3 gathers the head's weight
+    on every call, so all ranks must call it equally often whatever their token counts.
+    """
+    outputs = []
+    n = num_chunks or max(1, math.ceil(hidden.shape[0] / chunk_size))
+    for h, y in zip(hidden.tensor_split(n), targets.tensor_split(n)):
+        chunk = (head, h, y, temperature, with_entropy, extra)
+        if torch.is_grad_enabled():
+            outputs.append(checkpoint(_logprob_entropy_chunk, *chunk, use_reentrant=False))
+        else:
+            outputs.append(_logprob_entropy_chunk(*chunk))
+    return tuple(torch.cat(values) for values in zip(*outputs))
+
+
+def response_logprobs(model, batch, temperature, chunk_size, with_entropy, num_chunks=None, extra=None):
+    """Per-token log-probs, entropies and extra values of the response tokens of a collated batch, in order."""
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids") if key in batch}
+    # logits_to_keep=1: the head runs chunk by chunk below, not over [batch, time, vocab]
+    output = model(**inputs, output_hidden_states=True, logits_to_keep=1, use_cache=False)
+    target_mask = batch["response_mask"][:, 1:]
+    hidden = output.hidden_states[-1][:, :-1][target_mask]
+    targets = batch["input_ids"][:, 1:][target_mask]
+    head = model.module.get_output_embeddings() if hasattr(model, "module") else model.get_output_embeddings()
+    return chunked_logprobs_entropy(hidden, head, targets, temperature, chunk_size, with_entropy, num_chunks, extra)
+
+
+def make_sampler(args: Args, rank: int, on_gpu: bool):
+    """This process's part of a vLLM engine in the torch.distributed world (external launcher): its own engine with
+    --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks)."""
+    LLM = run.import_vllm()
+    run.check_vllm_memory(args, on_gpu)  # its budget is a fraction of the whole GPU, free now: a clear error if not
+    if not on_gpu:
+        run.keep_vllm_cpu_weights()  # so that push_weights can update them
+    return LLM(
+        model=args.model_name_or_path,
+        dtype="bfloat16" if on_gpu else "float32",
+        max_model_len=args.max_prompt_length + args.max_response_length,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        distributed_executor_backend="external_launcher",
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        seed=args.seed + rank // args.vllm_tensor_parallel_size,  # the ranks of an engine must agree
+        enable_prefix_caching=True,
+        enforce_eager=not on_gpu,  # on CPU, graph compilation costs more start-up than it saves
+        enable_chunked_prefill=on_gpu,  # vLLM-CPU fails to rewind a seeded sampler after a partial prefill
+        enable_sleep_mode=on_gpu and args.vllm_sleep_level > 0,
+        logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
+    )
+
+
+def push_weights(policy, sampler, zero_stage: int, wake: bool = False) -> None:
+    """Copy the policy's current weights into the local vLLM sampler (ZeRO-3: gathered one parameter at a time);
+    `wake`: the sampler sleeps, so first wake its weights, and afterwards its KV cache."""
+    if wake:
+        torch.cuda.empty_cache()  # the engine re-maps its memory outside PyTorch's cache: hand the cached blocks back
+        sampler.wake_up(tags=["weights"])
+    for name, param in policy.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], enabled=zero_stage == 3):
+            sampler.apply_model(lambda model: model.load_weights([(name, param.data)]))  # noqa: B023 (called at once)
+    sampler.reset_prefix_cache()
+    if wake:
+        sampler.wake_up(tags=["kv_cache"])
+
+
+class Sample(NamedTuple):
+    ids: list  # response token ids
+    sampler_logps: list | None  # the sampler's log-prob of each token (vLLM only)
+    truncated: bool  # stopped at --max-response-length
+
+
+def generate(args, sampler, policy, tokenizer, prompts: list, seeds: list, n: int, greedy: bool, group=None) -> list:
+    """n Samples per prompt, prompt-major, from the vLLM sampler (or HF generate on the policy without one). With a
+    tensor-parallel engine (`group`: its ranks), every rank of the group generates the group's prompts with the same
+    inputs, as vLLM requires, and keeps the responses to its own."""
+    first, count = 0, len(prompts)
+    if group is not None:
+        shares = [None] * dist.get_world_size(group)
+        dist.all_gather_object(shares, (prompts, seeds), group=group)
+        first = sum(len(p) for p, _ in shares[: dist.get_rank(group)])
+        prompts, seeds = [p for ps, _ in shares for p in ps], [s for _, ss in shares for s in ss]
+    if not prompts:
+        return []
+    if sampler is not None:
+        from vllm import SamplingParams
+
+        temperature, top_p = (0.0, 1.0) if greedy else (args.temperature, args.top_p)
+        fixed = {"n": n, "temperature": temperature, "top_p": top_p, "max_tokens": args.max_response_length}
+        params = [SamplingParams(seed=seed, logprobs=0, detokenize=False, **fixed) for seed in seeds]
+        outputs = sampler.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        samples = []
+        for c in (c for o in outputs[first : first + count] for c in o.outputs):
+            logps = [next(iter(lp.values())).logprob for lp in c.logprobs]  # of the sampled tokens
+            samples.append(Sample(list(c.token_ids), logps, c.finish_reason == "length"))
+        return samples
+    # no sampler: HF generate on this rank
+    rows = run.hf_generate(policy, tokenizer, prompts, n, greedy, seeds[0], args)
+    return [Sample(ids, None, truncated) for ids, truncated in rows]
+
+
+def evaluate(args, sampler, policy, tokenizer, eval_data: list, logprobs, group=None) -> dict:
+    """Held-out greedy accuracy; with --eval-samples n also n samples per prompt at the training temperature (seeded by
+    the prompt's position: the same draw each time), their mean accuracy, pass@k, entropy (utils.run.eval_metrics)."""
+    rank, world_size, n, device = dist.get_rank(), dist.get_world_size(), args.eval_samples, policy.device
+    shard = eval_data[rank::world_size]
+    prompts = [p for p, _, _ in shard]
+    greedy = generate(args, sampler, policy, tokenizer, prompts, [0] * len(prompts), 1, True, group)
+    seeds = [(rank + i * world_size) * n for i in range(len(prompts))]  # global position x n
+    sampled = generate(args, sampler, policy, tokenizer, prompts, seeds, n, False, group) if n else []
+    # the samples' entropy; ZeRO-3 gathers the weights per forward, so every rank calls the model equally often
+    mbs, entropies = args.micro_batch_size, []  # each sample's summed token entropy
+    calls = torch.tensor([math.ceil(len(sampled) / mbs)], device=device)
+    dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+    with torch.no_grad():
+        for s in range(0, int(calls.item()) * mbs, mbs):
+            chunk = [x.ids for x in sampled[s : s + mbs]]  # past this rank's samples: an empty micro-batch
+            chunk_prompts = [prompts[k // n] for k in range(s, s + len(chunk))]
+            batch = run.collate(chunk_prompts, chunk, tokenizer.pad_token_id, device)
+            token_entropy = logprobs(policy, batch, with_entropy=True)[1]
+            entropies += [e.sum().item() for e in token_entropy.split(batch["lengths"].tolist())]
+    return run.eval_metrics(tokenizer, shard, greedy, sampled, n, entropies, eval_data, device)
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    rank, local_rank, world_size, device, on_gpu = run.init_distributed()
+    validate_args(args, world_size)
+    check_model(args)  # the model loads and the context fits it
+    args.world_size, args.git_commit = world_size, run.git_commit()
+    run_dir, resumed = run.open_run(args, world_size, device)  # resume continues the run directory of its checkpoint
+
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+
+    # data: prompts tokenised once; over-long prompts dropped and counted
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    train_data, dropped = tokenized_prompts(args.dataset, args.dataset_split, tokenizer, args)
+    eval_data = eval_prompts(args.eval_dataset, tokenizer, args, train_data)  # (prompt, answer, set name)
+    if rank == 0:
+        print(f"{len(train_data)} training prompts ({dropped} dropped: longer than {args.max_prompt_length} tokens)")
+
+    # the policy (DeepSpeed engine), the reference policy, the sampler (vLLM engine)
+    G, mbs, clip = args.group_size, args.micro_batch_size, (args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c)
+    updates_per_step = args.num_mini_batches * args.num_epochs
+    grading_workers = args.grading_workers or default_grading_workers()
+    select = args.entropy_mask_scope if args.top_entropy_quantile < 1 else None  # 80/20 rule: where it selects
+    # else the training forward computes the old log-probs; a global selection needs the entropies before training
+    separate_pass = updates_per_step > 1 or args.kl_coef > 0 or select == "global"
+    train_entropy = not separate_pass or select == "microbatch"  # the training forward's: old, or to select by
+    grad_accum = args.num_prompts_per_step // (args.num_mini_batches * world_size) * G // mbs  # micro-batches/update
+    policy, scheduler, ref_policy = run.make_policy(args, on_gpu, grad_accum, updates_per_step)
+    # method_state: what a method carries across steps (saved in checkpoints)
+    start_step, method_state = 0, {}
+    if resumed:
+        start_step, method_state = checkpoints.load(policy, resumed, rank)
+    # ZeRO-3 gathers weights per call, so every rank calls the head equally often (bounded by the longest batch:
+    # a token-budget training micro-batch, or --micro-batch-size sequences as evaluation forms them)
+    micro_tokens = max(args.max_tokens_per_micro_batch, mbs * args.max_response_length)
+    calls = math.ceil(micro_tokens / args.logprob_chunk_size) if args.zero_stage == 3 else None
+
+    def logprobs(model, batch, with_entropy=False, extra=None):
+        return response_logprobs(model, batch, args.temperature, args.logprob_chunk_size, with_entropy, calls, extra)
+
+    sampler = make_sampler(args, rank, on_gpu) if args.use_vllm else None
+    tp_group = run.tensor_parallel_group(args.vllm_tensor_parallel_size)  # the ranks sharing this rank's sampler
+    sleeping = on_gpu and sampler is not None and args.vllm_sleep_level > 0
+    if sampler is not None and resumed:
+        push_weights(policy, sampler, args.zero_stage)
+    tracker = run.Tracker(args, run_dir, rank, start_step if resumed else None)  # metrics.jsonl, and wandb with --track
+    stop, trim_heap = run.StopSignal(), run.HeapTrim()
+    if eval_data and args.eval_every and start_step == 0:
+        tracker.log(evaluate(args, sampler, policy, tokenizer, eval_data, logprobs, tp_group), 0)  # the base policy
+    bad_steps, stopping = 0, False
+    progress = tqdm(range(start_step, args.total_steps), disable=rank != 0, initial=start_step, total=args.total_steps)
+    for step in progress:
+        step_start = time.time()
+        # ---- rollouts: G samples per prompt from the sampler ----
+        picked = step_prompt_indices(step, args, len(train_data), rank, world_size)
+        prompts = [train_data[i][0] for _, i in picked]
+        answers = [train_data[i][1] for _, i in picked]
+        # one seed per (step, prompt position), spaced by G since vLLM seeds sample k with seed + k
+        seeds = [args.seed * 10**9 + (step * args.num_prompts_per_step + j) * G for j, _ in picked]
+        samples = generate(args, sampler, policy, tokenizer, prompts, seeds, G, False, tp_group)
+        if sleeping:
+            sampler.sleep(level=args.vllm_sleep_level)
+        metrics = {"time/generation": time.time() - step_start}
+
+        # ---- reward and advantages; the micro-batches, collated once ----
+        seq_prompts, responses = [prompts[k // G] for k in range(len(samples))], [s.ids for s in samples]
+        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        t0 = time.time()
+        graded = grade_all(texts, [answers[k // G] for k in range(len(texts))], grading_workers)
+        metrics["time/reward"] = time.time() - t0
+        rewards = torch.tensor([r for r, _ in graded], dtype=torch.float32).view(-1, G)
+        advantages = group_advantages(rewards, args.scale_rewards).flatten()
+        # each micro-batch's samples; mini-batch m is micro-batches minis[m]
+        indices, minis = run.micro_batches([len(p) + len(r) for p, r in zip(seq_prompts, responses)], args, device)
+        parts = [([seq_prompts[k] for k in g], [responses[k] for k in g], advantages[g], g) for g in indices]
+        batches = [run.collate(p, r, tokenizer.pad_token_id, device, a, args.padding_free, g) for p, r, a, g in parts]
+        if sampler is not None:  # the sampler's log-probs of each micro-batch's tokens, in its order
+            sampler_logps = [torch.tensor([x for k in g for x in samples[k].sampler_logps]).to(device) for g in indices]
+
+        # ---- log-prob pass: the sampling policy's log-probs and entropy, the reference policy's log-probs ----
+        # a single on-policy update without reference policy skips it: its training forward gives them (old = current)
+        t0 = time.time()
+        old_logps, ref_logps, entropies = [], [], []  # one flat tensor per micro-batch
+        sums = dict.fromkeys(["entropy", "loss", "clipped", "approx_kl", "ref_kl"], 0.0)  # over the step, then ranks
+        sums.update(dict.fromkeys(["kept", "kept_entropy", "threshold", "selections"], 0.0))  # the 80/20 rule
+        sums.update(dict.fromkeys(["psi", "abs_adv", "capped"], 0.0))  # the entropy-based advantage
+        if separate_pass:
+            with torch.no_grad():
+                for batch in batches:
+                    logp, entropy, _ = logprobs(policy, batch, with_entropy=True)
+                    old_logps.append(logp)
+                    entropies.append(entropy)
+                    sums["entropy"] += entropy.sum().double()
+                    if ref_policy is not None:
+                        ref_logps.append(logprobs(ref_policy, batch)[0])
+        metrics["time/logprob"] = time.time() - t0
+
+        # ---- training: mini-batches of the rollout batch, the loss normalised over all ranks ----
+        t0 = time.time()
+        grad_norms, skipped = [], 0
+        for epoch in range(args.num_epochs):
+            for m in range(args.num_mini_batches):
+                mb = minis[m]
+                mb_lengths = torch.cat([batches[i]["lengths"] for i in mb])
+                totals = run.all_reduce_sums({"tokens": mb_lengths.sum().item(), "seqs": len(mb_lengths)}, device)
+                aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
+                if select == "global":  # 80/20 rule: one threshold over the mini-batch of all ranks
+                    selection = entropy_selection({i: entropies[i] for i in mb}, args.top_entropy_quantile)
+                for i in mb:
+                    batch = batches[i]
+                    logp, entropy, _ = logprobs(policy, batch, with_entropy=True)
+                    if not separate_pass:  # the weights that sampled the batch: their log-probs are the old ones
+                        old_logps.append(logp.detach())
+                        sums["entropy"] += entropy.sum().double()
+                    old_logp, adv = old_logps[i], batch["advantages"]
+                    adv, psi = entropy_advantages(adv, entropy, args.entadv_alpha, args.entadv_kappa)  # the method
+                    sums["psi"] += psi.sum().double()
+                    sums["abs_adv"] += batch["advantages"].abs().sum().double()
+                    sums["capped"] += (psi < args.entadv_alpha * entropy.detach()).sum().double()  # |A| / kappa
+                    weights = token_weights(batch["lengths"], *aggregation).to(device)
+                    token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)
+                    if sampler is not None and args.vllm_is_cap:  # the sampler's tokens, weighted to the trainer's
+                        token_loss = token_loss * rollout_weights(old_logp, sampler_logps[i], args.vllm_is_cap)
+                    if select:  # 80/20 rule: the policy-gradient term on the kept tokens only
+                        if select == "microbatch":  # TRL 1.16: this micro-batch's current entropies, all ranks
+                            selection = entropy_selection({i: entropy.detach()}, args.top_entropy_quantile)
+                        kept = selection.kept[i]
+                        token_loss = token_loss * kept * (selection.scale if args.entropy_mask_norm == "kept" else 1.0)
+                        sums["kept"] += kept.sum().double()
+                        sums["kept_entropy"] += (selection.entropy[i] * kept).sum().double()
+                        sums["threshold"] += selection.threshold
+                        sums["selections"] += 1
+                    if ref_policy is not None:
+                        log_ratio = ref_logps[i] - logp
+                        ref_kl = torch.exp(log_ratio) - log_ratio - 1  # k3 estimator
+                        token_loss = token_loss + args.kl_coef * ref_kl
+                        sums["ref_kl"] += (ref_kl.detach() * weights).sum().double()
+                    loss = (token_loss * weights).sum()
+                    # DeepSpeed divides by the accumulation steps and averages over ranks; the weights already normalise
+                    policy.set_gradient_accumulation_boundary(i == mb[-1])  # the update: after the last
+                    policy.backward(loss * grad_accum * world_size)
+                    policy.step()
+                    with torch.no_grad():
+                        log_ratio = logp - old_logp
+                        sums["loss"] += loss.detach().double()
+                        sums["clipped"] += (clipped.float() * weights).sum().double()
+                        sums["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * weights).sum().double()
+                if policy.was_step_applied():
+                    grad_norms.append(float(policy.get_global_grad_norm()))  # already global: the same on every rank
+                else:  # a non-finite gradient on any rank: DeepSpeed skipped this update on every rank
+                    skipped += 1
+                    scheduler.step()  # and its schedule, which follows the optimizer calls (the steps) here
+        bad_steps = bad_steps + 1 if skipped else 0
+        metrics["time/training"] = time.time() - t0
+
+        # ---- weight push: the sampler gets the new policy ----
+        t0 = time.time()
+        if sampler is not None:  # awake afterwards, for evaluation and the next rollouts
+            push_weights(policy, sampler, args.zero_stage, wake=sleeping)
+        metrics["time/weight_push"] = time.time() - t0
+
+        # ---- metrics: sums over ranks, then means ----
+        old_logp = torch.cat(old_logps)
+        sums.update(seqs=len(samples), tokens=old_logp.numel(), prompt_tokens=sum(len(p) for p in seq_prompts))
+        sums["positions"] = sum(batch["input_ids"].numel() for batch in batches)  # padding included
+        sums.update(run.rollout_sums(rewards, graded, samples))
+        sums["nll"] = -old_logp.sum().item()
+        if sampler is not None:  # the sampler's log-probs against the trainer's, the correction's weights (C 0: none)
+            sampler_logp, cap = torch.cat(sampler_logps), args.vllm_is_cap or math.inf
+            ratio = torch.exp(old_logp.float() - sampler_logp)
+            sums.update(gap=(sampler_logp - old_logp.float()).abs().sum().item(), is_clipped=(ratio > cap).sum().item())
+            sums["is_weight"] = ratio.clamp(max=cap).sum().item()
+        g = run.all_reduce_sums(sums, device)
+        max_length = torch.tensor([max(len(s.ids) for s in samples)], device=device)
+        dist.all_reduce(max_length, op=dist.ReduceOp.MAX)
+        step_time = time.time() - step_start
+        metrics.update(
+            {
+                "rollout/reward": g["reward"] / g["seqs"],
+                "rollout/accuracy": g["correct"] / g["seqs"],
+                "rollout/format_rate": g["boxed"] / g["seqs"],
+                "rollout/reward_failures": g["failures"],
+                "rollout/response_length": g["tokens"] / g["seqs"],
+                "rollout/response_length_max": max_length.item(),
+                "rollout/truncation_rate": g["truncated"] / g["seqs"],
+                "rollout/all_equal_frac": g["all_equal"] / g["groups"],
+                "entropy/full": g["entropy"] / g["tokens"],
+                "entropy/sampled_nll": g["nll"] / g["tokens"],
+                "losses/policy_loss": g["loss"] / updates_per_step,
+                "losses/clip_frac": g["clipped"] / updates_per_step,
+                "losses/approx_kl": g["approx_kl"] / updates_per_step,
+                "losses/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+                "losses/skipped_updates": skipped,
+                "charts/lr": scheduler.get_last_lr()[0],
+                "time/step": step_time,
+                "charts/tokens_per_second": (g["tokens"] + g["prompt_tokens"]) / step_time,
+                "charts/padding_frac": 1 - (g["tokens"] + g["prompt_tokens"]) / g["positions"],
+            }
+        )
+        if sampler is not None:
+            metrics["rollout/vllm_logprob_gap"] = g["gap"] / g["tokens"]
+            metrics["rollout/is_weight_mean"] = g["is_weight"] / g["tokens"]  # min(ratio, C) over the sampled tokens
+            metrics["rollout/is_clipped_frac"] = g["is_clipped"] / g["tokens"]
+        if ref_policy is not None:
+            metrics["losses/ref_kl"] = g["ref_kl"] / updates_per_step
+        metrics.update(entadv_metrics(g, args.num_epochs))
+        if select:  # the 80/20 rule's mean threshold, the share of tokens trained, their mean entropy
+            metrics["entropy/mask_threshold"] = g["threshold"] / g["selections"]
+            metrics["entropy/kept_frac"] = g["kept"] / (g["tokens"] * args.num_epochs)
+            metrics["entropy/kept"] = g["kept_entropy"] / max(g["kept"], 1)
+        tracker.log(metrics, step + 1)
+        progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", entropy=f"{metrics['entropy/full']:.3f}")
+
+        # ---- evaluation and checkpoint ----
+        if bad_steps >= args.max_bad_steps:  # every rank agrees: the skip decision is global
+            raise SystemExit(
+                f"error: {bad_steps} consecutive steps had a non-finite gradient (updates skipped, weights "
+                f"still finite); newest checkpoint: {checkpoints.latest(run_dir)}; metrics: {tracker.path}"
+            )
+        done = step + 1 == args.total_steps
+        if eval_data and args.eval_every and ((step + 1) % args.eval_every == 0 or done):
+            tracker.log(evaluate(args, sampler, policy, tokenizer, eval_data, logprobs, tp_group), step + 1)
+        trim_heap()
+        stopping = stop.agreed(device)  # a signal to any rank stops them all
+        if (args.save_every and (step + 1) % args.save_every == 0) or done or stopping:
+            checkpoints.save(policy, run_dir, step + 1, method_state, args, rank, final=done or stopping)
+        if stopping:
+            break
+
+    run.finish(policy, tokenizer, run_dir, args, rank, tracker, stopped_at=step + 1 if stopping else None)
+    del sampler  # vLLM tears down its own process groups first
+    if dist.is_initialized():
+        dist.destroy_process_group()
