@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python benchmarks/compare.py` must find benchmarks/metrics.py
     sys.path.insert(0, ROOT)
 
-from benchmarks.metrics import AENT, COV, EVAL, EVAL_SAMPLED, REWARD, SELECTION, label  # noqa: E402
+from benchmarks.metrics import AENT, COV, EVAL, EVAL_SAMPLED, REWARD, SELECTION, label, own_metrics  # noqa: E402
 
 
 @dataclass
@@ -362,6 +362,8 @@ if __name__ == "__main__":
         "cov.png": [(k, label(k)) for k in COV],  # panels no run logged are left out
         "selection.png": [(k, label(k)) for k in SELECTION],
     }
+    for namespace, keys in own_metrics({k for r in runs for row in r["rows"] for k in row}).items():
+        figures[f"{namespace}.png"] = [(k, label(k)) for k in keys]  # a new method's own metrics
     written = [
         name
         for name, panels in figures.items()

@@ -13,6 +13,10 @@ COV = ("cov/selected_frac", "cov/selected_mean", "cov/mean", "cov/kl_selected", 
 THROUGHPUT = ("charts/tokens_per_second",)
 TIME = ("time/step", "time/generation", "time/logprob", "time/training", "time/weight_push", "time/cov_selection")
 
+# the namespaces of the shared metrics and of the known methods'; any other `<namespace>/...` metric is a method's
+# own (e.g. grpo_entadv.py's entadv/*): compare.py plots them, wandb_report.py gives them a section
+KNOWN_NAMESPACES = ("rollout", "entropy", "losses", "charts", "time", "eval", "cov")
+
 LABELS = {
     "entropy/full": "full-vocabulary entropy (nats)",
     "entropy/clamped": "clamped entropy (nats)",
@@ -42,3 +46,13 @@ def label(metric: str) -> str:
 def eval_metric(dataset: str, name: str = "acc") -> str:
     """eval/<dataset>/<name>, or the scripts' single-dataset eval/<name> when dataset is ''."""
     return f"eval/{dataset}/{name}" if dataset else f"eval/{name}"
+
+
+def own_metrics(names) -> dict:
+    """The metrics among `names` that no known namespace holds, by namespace: {namespace: sorted names}."""
+    own = {}
+    for name in sorted(names):
+        namespace = name.split("/")[0]
+        if "/" in name and namespace not in KNOWN_NAMESPACES:
+            own.setdefault(namespace, []).append(name)
+    return own

@@ -22,6 +22,7 @@ from benchmarks.metrics import (  # noqa: E402
     TIME,
     eval_metric,
     label,
+    own_metrics,
 )
 
 
@@ -51,8 +52,13 @@ class Args:
     """build the report and print its structure; no network, no API key, nothing saved"""
 
 
-def sections(eval_datasets=()) -> list:
-    """(title, why, metrics) of every report section, in order."""
+def sections(eval_datasets=(), logged=()) -> list:
+    """(title, why, metrics) of every report section, in order; a section per namespace of a new method's own metrics
+    among `logged` (what the runs logged), before the throughput."""
+    own = [
+        (f"{namespace}/", f"The metrics of a method this report does not know, logged as {namespace}/...", keys)
+        for namespace, keys in own_metrics(logged or ()).items()
+    ]
     evals = [eval_metric(d) for d in eval_datasets] if eval_datasets else [*EVAL, *EVAL_SAMPLED]
     return [
         (
@@ -82,6 +88,7 @@ def sections(eval_datasets=()) -> list:
             "the kept tokens' mean entropy, their share and the threshold.",
             list(SELECTION),
         ),
+        *own,
         (
             "Throughput and phase times",
             "Tokens per second of wall time and seconds per phase of a step.",
@@ -206,7 +213,7 @@ def build_report(args: Args, runs: list | None = None):
     if runs and all("metrics" in r for r in runs):
         logged = {m for r in runs for m in r["metrics"]}
     blocks = [wr.MarkdownBlock(text=settings_markdown(args, runs))]
-    for title, why, metrics in sections(args.eval_datasets):
+    for title, why, metrics in sections(args.eval_datasets, logged):
         metrics = [m for m in metrics if logged is None or m in logged]  # no empty panels, no empty sections
         if not metrics:
             continue

@@ -51,6 +51,7 @@ def test_compare_writes_plots_and_table(tmp_path):
     write_run(runs, "grpo_vanilla", 2, 0.2)
     write_run(runs, "grpo_aent", 1, 0.5, extra={"entropy/coef": 0.002, "entropy/clamped": 0.3})
     write_run(runs, "grpo_aent", 2, 0.5, extra={"entropy/coef": 0.003, "entropy/clamped": 0.3})
+    write_run(runs, "grpo_mine", 1, 0.4, extra={"mine/bonus": 0.1, "mine/frac": 0.5})  # a new method's own metrics
     klcov = write_run(runs, "grpo_klcov", 1, 0.6, extra={"cov/selected_frac": 2e-3})
     os.makedirs(os.path.join(klcov, "eval"))  # benchmarks/eval.py's results on the final model
     with open(os.path.join(klcov, "eval", "results.json"), "w") as f:
@@ -58,13 +59,13 @@ def test_compare_writes_plots_and_table(tmp_path):
     out = tmp_path / "compare"
     proc = run_compare("--runs", str(runs / "*"), "--output-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("entropy.png", "reward.png", "eval_acc.png", "law.png", "aent.png", "cov.png"):
+    for name in ("entropy.png", "reward.png", "eval_acc.png", "law.png", "aent.png", "cov.png", "mine.png"):
         with open(out / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
     table = (out / "compare.md").read_text().split("| method | seeds | steps |")[1]  # the per-method summary
     rows = [line for line in table.splitlines() if line.startswith("| grpo_")]
-    assert [r.split(" | ")[0] for r in rows] == ["| grpo_vanilla", "| grpo_aent", "| grpo_klcov"]  # baseline first
-    assert rows[2].endswith("| 0.432 |") and rows[0].endswith("| - |")
+    assert [r.split(" | ")[0] for r in rows] == ["| grpo_vanilla", "| grpo_aent", "| grpo_klcov", "| grpo_mine"]
+    assert rows[2].endswith("| 0.432 |") and rows[0].endswith("| - |")  # baseline first, then by name
     summary = json.loads((out / "compare.json").read_text())
     assert summary["law_metric"] == "eval/acc"
     methods = summary["methods"]

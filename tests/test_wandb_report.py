@@ -117,20 +117,27 @@ def test_group_by_run_group_and_eval_datasets():
 
 
 def test_panels_of_metrics_no_run_logged_are_left_out():
+    """... and a new method's own metrics (a namespace no section knows) get a section of their own."""
     runs = [
-        {**r, "metrics": ["entropy/full", "rollout/reward", "time/step"] + ["entropy/coef"] * (i == 0)}
+        {
+            **r,
+            "metrics": ["entropy/full", "rollout/reward", "time/step"]
+            + ["entropy/coef", "mine/b", "mine/a"] * (i == 0),
+        }
         for i, r in enumerate(RUNS)
     ]
     report = build_report(Args(tags=("paper-v1",)), runs)
     assert [b.text for b in report.blocks if type(b).__name__ == "H2"] == [
         "Entropy",
         "Reward and accuracy",
+        "mine/",
         "Throughput and phase times",
     ]
     grids = [b for b in report.blocks if type(b).__name__ == "PanelGrid"]
     assert [[p.y[0] for p in g.panels] for g in grids] == [
         ["entropy/full", "entropy/coef"],
         ["rollout/reward"],
+        ["mine/a", "mine/b"],
         ["time/step"],
     ]
 
