@@ -95,9 +95,13 @@ class Args:
     use_vllm: bool = True
     """generate with a colocated vLLM engine in every rank; `--no-use-vllm` uses HF generate"""
     vllm_gpu_memory_utilization: float = 0.5
-    """fraction of GPU memory vLLM may take (weights + KV cache)"""
-    vllm_sleep_level: int = 1
-    """GPU only: put the engine to sleep during training (0: never, 1: offload weights, 2: discard weights)"""
+    """fraction of GPU memory vLLM may take (weights + KV cache); it must be free when the engine starts"""
+    vllm_kv_cache_memory: float = 0.0
+    """GiB of KV cache per rank, instead of what the fraction above leaves (vLLM's kv_cache_memory_bytes; on a GPU the
+    fraction must still be free at start); 0: vLLM's sizing. On a CPU it replaces VLLM_CPU_KVCACHE_SPACE (whole GiB)"""
+    vllm_sleep_level: int = 2
+    """GPU only: put the engine to sleep during training (0: never, 1: offload weights to host memory and back every
+    step, 2: discard them: every parameter is pushed anew, and vLLM 0.33 saves and restores the model's buffers)"""
     vllm_tensor_parallel_size: int = 1
     """ranks per vLLM engine: each group of this many consecutive ranks shares one tensor-parallel engine"""
 
@@ -179,17 +183,14 @@ class Args:
     entropy_coef_reg: float = 0.0
     """L2 pull of the coefficient towards coef_0 (the paper's optional term; 0: none, as in the reference code)"""
     coef_rule: Literal["box", "target"] = "box"
-    """box: AEnt's rule above (next_entropy_coef); target: Skywork-OR1's / TRL 1.16's (next_target_coef): +-delta
-    towards --entropy-target after every step (no warm-up), the bonus applied only in a step after one whose entropy
-    was <= target; with --clamp-p 0 their plain entropy bonus (TRL's defaults: --entropy-coef 0 --entropy-coef-min 0
-    --entropy-coef-max 1; Skywork-OR1's scripts: --entropy-coef 0 --entropy-coef-delta 1e-4 --entropy-coef-max 0.005)"""
+    """box: AEnt's rule above (next_entropy_coef); target: Skywork-OR1's / TRL 1.16's (next_target_coef), with
+    --clamp-p 0 their plain entropy bonus (their defaults: README.md, "Token selection by entropy ...")"""
     entropy_target: float = 0.2
     """target rule: the entropy (nats) the coefficient steers towards (TRL, Skywork-OR1: 0.2)"""
     entropy_coef_delta: float = 0.005
     """target rule: the coefficient's step per training step (TRL: 0.005; Skywork-OR1's scripts: 1e-4)"""
     entropy_bonus_tokens: Literal["kept", "all"] = "kept"
-    """with --top-entropy-quantile < 1: the bonus acts on (as a mean over them), and the coefficient sees the entropy
-    of, the kept tokens only (TRL's sync), or every token"""
+    """rho < 1: the bonus (a mean) and the entropy the coefficient sees are over the kept tokens (TRL's sync) or all"""
 
     # DeepSpeed
     zero_stage: int = 2
@@ -220,14 +221,12 @@ class Args:
 
 def validate_args(args: Args, world_size: int) -> None:
     """Reject impossible settings at start with one line naming the flag (the shared flags: utils.run.check_args)."""
+    steps = ("entropy_coef_lr", "entropy_coef_warmup", "entropy_coef_reg", "entropy_coef_delta")  # each >= 0
     method_checks = [
         (0 <= args.clamp_p < 1, f"--clamp-p must be in [0, 1) (got {args.clamp_p})"),
         (args.entropy_low <= args.entropy_high, "--entropy-low must be <= --entropy-high"),
         (0 <= args.entropy_coef_min <= args.entropy_coef_max, "--entropy-coef-min must be in [0, --entropy-coef-max]"),
-        (args.entropy_coef_lr >= 0, f"--entropy-coef-lr must be >= 0 (got {args.entropy_coef_lr})"),
-        (args.entropy_coef_warmup >= 0, f"--entropy-coef-warmup must be >= 0 (got {args.entropy_coef_warmup})"),
-        (args.entropy_coef_reg >= 0, f"--entropy-coef-reg must be >= 0 (got {args.entropy_coef_reg})"),
-        (args.entropy_coef_delta >= 0, f"--entropy-coef-delta must be >= 0 (got {args.entropy_coef_delta})"),
+        *[(getattr(args, f) >= 0, f"--{f.replace('_', '-')} must be >= 0 (got {getattr(args, f)})") for f in steps],
     ]
     run.check_args(args, world_size, method_checks)
 
@@ -265,85 +264,30 @@ def ppo_clip_loss(logp, old_logp, advantages, eps_low: float, eps_high: float, c
 
 
 # ---- AEnt: the clamped entropy and the coefficient step ----
-class _ClampedEntropy(torch.autograd.Function):
-    """H_S row block by row block. Clamping the logits at the threshold t (the k-th smallest) puts the k dropped ones
-    at t, so their mass is known, k e^t, and subtracted: no top-k indices. Only per-row scalars are saved; the
-    backward recomputes the kept softmax from the logits. On a CPU every operation on more than 32k elements is a
-    parallel region, a synchronisation of torch's threads (which stalls when the cores are oversubscribed): blocks of
-    whole rows, ~20 such operations each; float 0/1 masks, not `where` or -inf (their CPU kernels are several times
-    slower)."""
-
-    @staticmethod
-    def forward(ctx, logits, k: int, rows: int):
-        dtype = torch.promote_types(logits.dtype, torch.float32)
-        # per row: threshold, max, log kept mass, H_S
-        stats = torch.empty((logits.shape[0], 4), dtype=dtype, device=logits.device)
-        for z, out in zip(logits.split(rows), stats.split(rows)):
-            z = z.to(dtype)
-            t = ops.kth_smallest(z, k) if k else z.amin(dim=-1, keepdim=True) - 1
-            m = z.amax(dim=-1, keepdim=True)
-            d = torch.maximum(z, t).sub_(m)
-            e = d.exp()
-            dropped = k * (t - m).exp()
-            total = e.sum(dim=-1, keepdim=True) - dropped
-            expected_d = (torch.linalg.vecdot(e, d)[:, None] - dropped * (t - m)) / total
-            torch.cat([t, m, total.log(), total.log() - expected_d], dim=1, out=out)
-        ctx.save_for_backward(logits, stats)
-        ctx.k, ctx.rows = k, rows
-        return stats[:, 3].clone()
-
-    @staticmethod
-    def backward(ctx, grad_entropy):
-        logits, stats = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for z, s, g, out in zip(*(x.split(ctx.rows) for x in (logits, stats, grad_entropy, grad))):
-            z = z.to(s.dtype)
-            t, m, log_total, entropy = s[:, :, None].unbind(1)
-            g = -g[:, None].to(s.dtype)
-            above = torch.gt(z, t, out=torch.empty_like(z))  # 1 where z > t
-            d = torch.maximum(z, t).sub_(m + log_total)  # log q_i on the kept set (clamped: exp cannot underflow)
-            d_entropy = torch.addcmul(g * entropy, d, g).mul_(above)  # -g (log q_i + H) on the kept set, else 0
-            torch.mul(d.exp_(), d_entropy, out=out)  # times q_i: g dH/dz_i = -g q_i (log q_i + H)
-            tied_kept = z.shape[-1] - ctx.k - above.sum(dim=-1, keepdim=True)  # logits equal to t that are kept
-            if (tied_kept > 0).any():  # they share the kept mass evenly (same value as keeping any of them)
-                tied = z == t
-                log_q_t = t - m - log_total
-                out.add_(tied * (g * log_q_t.exp() * (log_q_t + entropy) * tied_kept / tied.sum(dim=-1, keepdim=True)))
-        return grad, None, None
-
-
 def clamped_entropy(logits: torch.Tensor, clamp_p: float, block: int | None = None) -> torch.Tensor:
     """AEnt's clamped entropy of each row of logits [N, V]: drop the floor(clamp_p V) lowest logits (at most V - 1),
-    renormalise the softmax over the kept set S and return H_S = logsumexp(z_S) - sum_{i in S} softmax(z_S)_i z_i [N].
-    Differentiable w.r.t. the kept logits (the selection, a per-row threshold, carries no gradient); clamp_p = 0 is the
-    full entropy; logits tied with the threshold share the kept mass evenly. Float32 or better (relative rounding grows
-    like p / (1 - p)), in equal blocks of whole rows of at most ~`block` elements (default: 1M on a CPU, where a
-    block's passes stay in the cache and cost ~20 thread synchronisations, not ~18 a row; 16M elsewhere)."""
-    n, vocab = logits.shape[0], logits.shape[-1]
-    block = block or (1 << 20 if logits.device.type == "cpu" else 1 << 24)
-    blocks = max(1, -(-n * vocab // block))
-    return _ClampedEntropy.apply(logits, min(int(clamp_p * vocab), vocab - 1), max(1, -(-n // blocks)))
+    renormalise the softmax over the kept set S: H_S = logsumexp(z_S) - sum_{i in S} softmax(z_S)_i z_i [N] (clamp_p 0:
+    the full entropy), differentiable w.r.t. the kept logits; float32 or better (the kernel: ops.entropy_above_kth)."""
+    vocab = logits.shape[-1]
+    return ops.entropy_above_kth(logits, min(int(clamp_p * vocab), vocab - 1), block)
 
 
 def next_entropy_coef(coef, entropy, *, low, high, lr, reg, init_coef, coef_min, coef_max) -> float:
     """AEnt's coefficient step: coef - lr (min(0, H - low) + max(0, H - high) + reg (coef - coef_0)), clipped to
-    [coef_min, coef_max]: below the box [low, high] the coefficient rises, above it falls. Called once per training
-    step (as the reference code, for which the published coefficient learning rates were tuned) with H = the token mean
-    of the clamped entropy over every update, micro-batch and rank of the step: the same value on every rank."""
+    [coef_min, coef_max]: below the box [low, high] the coefficient rises, above it falls. Once per training step (as
+    the reference code) with H the token mean of the clamped entropy over the step's updates and ranks."""
     step = min(0.0, entropy - low) + max(0.0, entropy - high) + reg * (coef - init_coef)
     return min(max(coef - lr * step, coef_min), coef_max)
 
 
 def next_target_coef(coef, entropy, *, target, delta, coef_min, coef_max) -> float:
-    """Skywork-OR1's (arXiv 2505.22312) and TRL 1.16's coefficient step: min(coef + delta, coef_max) if H <= target,
-    else max(coef - delta, coef_min), once per training step; its bonus is applied in a step only if the previous
-    step's H was <= target (target_gate)."""
+    """Skywork-OR1's (arXiv 2505.22312) and TRL 1.16's coefficient step, once per training step: min(coef + delta,
+    coef_max) if H <= target, else max(coef - delta, coef_min); its bonus is gated (target_gate)."""
     return min(coef + delta, coef_max) if entropy <= target else max(coef - delta, coef_min)
 
 
 def target_gate(last_entropy, target: float) -> bool:
-    """The target rule's gate: a bonus only after a step whose entropy was at or below the target (none before the
-    first measurement, `last_entropy` None)."""
+    """The target rule's gate: a bonus only after a step whose entropy was <= target (none before the first one)."""
     return last_entropy is not None and last_entropy <= target
 
 
@@ -447,18 +391,19 @@ def response_logprobs(model, batch, temperature, chunk_size, with_entropy, num_c
     return chunked_logprobs_entropy(hidden, head, targets, temperature, chunk_size, with_entropy, num_chunks, extra)
 
 
-def make_sampler(args: Args, rank: int, on_gpu: bool):
+def make_sampler(args: Args, rank: int, on_gpu: bool, policy=None):
     """This process's part of a vLLM engine in the torch.distributed world (external launcher): its own engine with
     --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks)."""
     LLM = run.import_vllm()
-    run.check_vllm_memory(args, on_gpu)  # its budget is a fraction of the whole GPU, free now: a clear error if not
+    run.check_vllm_memory(args, on_gpu, policy)  # its budget is free now, with room for the training state: or why not
     if not on_gpu:
-        run.keep_vllm_cpu_weights()  # so that push_weights can update them
+        run.prepare_vllm_cpu(args.vllm_kv_cache_memory)  # plain weights, which push_weights can update; cache size
     return LLM(
         model=args.model_name_or_path,
         dtype="bfloat16" if on_gpu else "float32",
         max_model_len=args.max_prompt_length + args.max_response_length,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        kv_cache_memory_bytes=int(args.vllm_kv_cache_memory * 2**30) or None,
         distributed_executor_backend="external_launcher",
         tensor_parallel_size=args.vllm_tensor_parallel_size,
         seed=args.seed + rank // args.vllm_tensor_parallel_size,  # the ranks of an engine must agree
@@ -528,17 +473,7 @@ def evaluate(args, sampler, policy, tokenizer, eval_data: list, logprobs, group=
     greedy = generate(args, sampler, policy, tokenizer, prompts, [0] * len(prompts), 1, True, group)
     seeds = [(rank + i * world_size) * n for i in range(len(prompts))]  # global position x n
     sampled = generate(args, sampler, policy, tokenizer, prompts, seeds, n, False, group) if n else []
-    # the samples' entropy; ZeRO-3 gathers the weights per forward, so every rank calls the model equally often
-    mbs, entropies = args.micro_batch_size, []  # each sample's summed token entropy
-    calls = torch.tensor([math.ceil(len(sampled) / mbs)], device=device)
-    dist.all_reduce(calls, op=dist.ReduceOp.MAX)
-    with torch.no_grad():
-        for s in range(0, int(calls.item()) * mbs, mbs):
-            chunk = [x.ids for x in sampled[s : s + mbs]]  # past this rank's samples: an empty micro-batch
-            chunk_prompts = [prompts[k // n] for k in range(s, s + len(chunk))]
-            batch = run.collate(chunk_prompts, chunk, tokenizer.pad_token_id, device)
-            token_entropy = logprobs(policy, batch, with_entropy=True)[1]
-            entropies += [e.sum().item() for e in token_entropy.split(batch["lengths"].tolist())]
+    entropies = run.sample_entropies(logprobs, policy, tokenizer, prompts, sampled, n, args.micro_batch_size)
     return run.eval_metrics(tokenizer, shard, greedy, sampled, n, entropies, eval_data, device)
 
 
@@ -577,10 +512,7 @@ if __name__ == "__main__":
     start_step, method_state = 0, {"entropy_coef": args.entropy_coef, "last_entropy": None}
     if resumed:
         start_step, method_state = checkpoints.load(policy, resumed, rank)
-    # ZeRO-3 gathers weights per call, so every rank calls the head equally often (bounded by the longest batch:
-    # a token-budget training micro-batch, or --micro-batch-size sequences as evaluation forms them)
-    micro_tokens = max(args.max_tokens_per_micro_batch, mbs * args.max_response_length)
-    calls = math.ceil(micro_tokens / args.logprob_chunk_size) if args.zero_stage == 3 else None
+    calls = run.head_calls(args)  # ZeRO-3: every rank calls the output head equally often (None: any number)
 
     synced = select is not None and args.entropy_bonus_tokens == "kept"  # AEnt: the bonus on the kept tokens
 
@@ -590,7 +522,7 @@ if __name__ == "__main__":
     def logprobs(model, batch, with_entropy=False, extra=None):
         return response_logprobs(model, batch, args.temperature, args.logprob_chunk_size, with_entropy, calls, extra)
 
-    sampler = make_sampler(args, rank, on_gpu) if args.use_vllm else None
+    sampler = make_sampler(args, rank, on_gpu, policy) if args.use_vllm else None
     tp_group = run.tensor_parallel_group(args.vllm_tensor_parallel_size)  # the ranks sharing this rank's sampler
     sleeping = on_gpu and sampler is not None and args.vllm_sleep_level > 0
     if sampler is not None and resumed:
@@ -683,8 +615,7 @@ if __name__ == "__main__":
                         sums["kept_entropy"] += (selection.entropy[i] * kept).sum().double()
                         sums["threshold"] += selection.threshold
                         sums["selections"] += 1
-                    # AEnt: the clamped-entropy bonus, aggregated like the loss; with the 80/20 rule on the kept tokens,
-                    # as a mean over them, and the coefficient sees their entropy (TRL's sync)
+                    # AEnt: the clamped-entropy bonus, aggregated like the loss (rho < 1, synced: a mean over the kept)
                     bonus_tokens = kept if synced else torch.ones_like(clamped_h, dtype=torch.bool)
                     on = bonus_tokens * (selection.scale if synced else 1.0)
                     token_loss = token_loss - coef * clamped_h * on
@@ -726,48 +657,12 @@ if __name__ == "__main__":
         sums["positions"] = sum(batch["input_ids"].numel() for batch in batches)  # padding included
         sums.update(run.rollout_sums(rewards, graded, samples))
         sums["nll"] = -old_logp.sum().item()
-        if sampler is not None:  # the sampler's log-probs against the trainer's, the correction's weights (C 0: none)
-            sampler_logp, cap = torch.cat(sampler_logps), args.vllm_is_cap or math.inf
-            ratio = torch.exp(old_logp.float() - sampler_logp)
-            sums.update(gap=(sampler_logp - old_logp.float()).abs().sum().item(), is_clipped=(ratio > cap).sum().item())
-            sums["is_weight"] = ratio.clamp(max=cap).sum().item()
+        if sampler is not None:  # the sampler's log-probs against the trainer's, the correction's weights
+            sums.update(run.sampler_sums(old_logp, torch.cat(sampler_logps), args.vllm_is_cap))
         g = run.all_reduce_sums(sums, device)
         max_length = torch.tensor([max(len(s.ids) for s in samples)], device=device)
         dist.all_reduce(max_length, op=dist.ReduceOp.MAX)
-        step_time = time.time() - step_start
-        metrics.update(
-            {
-                "rollout/reward": g["reward"] / g["seqs"],
-                "rollout/accuracy": g["correct"] / g["seqs"],
-                "rollout/format_rate": g["boxed"] / g["seqs"],
-                "rollout/reward_failures": g["failures"],
-                "rollout/response_length": g["tokens"] / g["seqs"],
-                "rollout/response_length_max": max_length.item(),
-                "rollout/truncation_rate": g["truncated"] / g["seqs"],
-                "rollout/all_equal_frac": g["all_equal"] / g["groups"],
-                "entropy/full": g["entropy"] / g["tokens"],
-                "entropy/sampled_nll": g["nll"] / g["tokens"],
-                "losses/policy_loss": g["loss"] / updates_per_step,
-                "losses/clip_frac": g["clipped"] / updates_per_step,
-                "losses/approx_kl": g["approx_kl"] / updates_per_step,
-                "losses/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
-                "losses/skipped_updates": skipped,
-                "charts/lr": scheduler.get_last_lr()[0],
-                "time/step": step_time,
-                "charts/tokens_per_second": (g["tokens"] + g["prompt_tokens"]) / step_time,
-                "charts/padding_frac": 1 - (g["tokens"] + g["prompt_tokens"]) / g["positions"],
-            }
-        )
-        if sampler is not None:
-            metrics["rollout/vllm_logprob_gap"] = g["gap"] / g["tokens"]
-            metrics["rollout/is_weight_mean"] = g["is_weight"] / g["tokens"]  # min(ratio, C) over the sampled tokens
-            metrics["rollout/is_clipped_frac"] = g["is_clipped"] / g["tokens"]
-        if ref_policy is not None:
-            metrics["losses/ref_kl"] = g["ref_kl"] / updates_per_step
-        if select:  # the 80/20 rule's mean threshold, the share of tokens trained, their mean entropy
-            metrics["entropy/mask_threshold"] = g["threshold"] / g["selections"]
-            metrics["entropy/kept_frac"] = g["kept"] / (g["tokens"] * args.num_epochs)
-            metrics["entropy/kept"] = g["kept_entropy"] / max(g["kept"], 1)
+        metrics.update(run.step_metrics(g, args, grad_norms, skipped, scheduler, time.time() - step_start, max_length))
         coef_range = torch.tensor([coef_state, -coef_state], dtype=torch.float64, device=device)  # AEnt: max, -min
         dist.all_reduce(coef_range, op=dist.ReduceOp.MAX)
         metrics["entropy/clamped"] = g["clamped"] / g["tokens"]
@@ -781,21 +676,16 @@ if __name__ == "__main__":
         if args.adaptive_coef and math.isfinite(h) and args.coef_rule == "target":
             target = dict(target=args.entropy_target, delta=args.entropy_coef_delta)
             method_state["entropy_coef"] = next_target_coef(coef_state, h, **target, **limits)
-        elif args.adaptive_coef and math.isfinite(h) and args.coef_rule == "box" and step >= args.entropy_coef_warmup:
+        elif args.adaptive_coef and math.isfinite(h) and step >= args.entropy_coef_warmup:  # the box rule
             box = dict(low=args.entropy_low, high=args.entropy_high, lr=args.entropy_coef_lr, reg=args.entropy_coef_reg)
-            method_state["entropy_coef"] = next_entropy_coef(
-                coef_state, h, **box, init_coef=args.entropy_coef, **limits
-            )
+            box["init_coef"] = args.entropy_coef
+            method_state["entropy_coef"] = next_entropy_coef(coef_state, h, **box, **limits)
         if math.isfinite(h):
             method_state["last_entropy"] = h  # the target rule's gate in the next step
         progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", entropy=f"{metrics['entropy/full']:.3f}")
 
         # ---- evaluation and checkpoint ----
-        if bad_steps >= args.max_bad_steps:  # every rank agrees: the skip decision is global
-            raise SystemExit(
-                f"error: {bad_steps} consecutive steps had a non-finite gradient (updates skipped, weights "
-                f"still finite); newest checkpoint: {checkpoints.latest(run_dir)}; metrics: {tracker.path}"
-            )
+        run.check_bad_steps(bad_steps, args.max_bad_steps, run_dir, tracker)  # every rank agrees: the skips are global
         done = step + 1 == args.total_steps
         if eval_data and args.eval_every and ((step + 1) % args.eval_every == 0 or done):
             tracker.log(evaluate(args, sampler, policy, tokenizer, eval_data, logprobs, tp_group), step + 1)
@@ -807,6 +697,4 @@ if __name__ == "__main__":
             break
 
     run.finish(policy, tokenizer, run_dir, args, rank, tracker, stopped_at=step + 1 if stopping else None)
-    del sampler  # vLLM tears down its own process groups first
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    run.shutdown(sampler)  # the engine first, then the process groups

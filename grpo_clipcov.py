@@ -96,9 +96,13 @@ class Args:
     use_vllm: bool = True
     """generate with a colocated vLLM engine in every rank; `--no-use-vllm` uses HF generate"""
     vllm_gpu_memory_utilization: float = 0.5
-    """fraction of GPU memory vLLM may take (weights + KV cache)"""
-    vllm_sleep_level: int = 1
-    """GPU only: put the engine to sleep during training (0: never, 1: offload weights, 2: discard weights)"""
+    """fraction of GPU memory vLLM may take (weights + KV cache); it must be free when the engine starts"""
+    vllm_kv_cache_memory: float = 0.0
+    """GiB of KV cache per rank, instead of what the fraction above leaves (vLLM's kv_cache_memory_bytes; on a GPU the
+    fraction must still be free at start); 0: vLLM's sizing. On a CPU it replaces VLLM_CPU_KVCACHE_SPACE (whole GiB)"""
+    vllm_sleep_level: int = 2
+    """GPU only: put the engine to sleep during training (0: never, 1: offload weights to host memory and back every
+    step, 2: discard them: every parameter is pushed anew, and vLLM 0.33 saves and restores the model's buffers)"""
     vllm_tensor_parallel_size: int = 1
     """ranks per vLLM engine: each group of this many consecutive ranks shares one tensor-parallel engine"""
 
@@ -264,13 +268,6 @@ def clip_cov_select(cov, eligible, ratio: float, lb: float, ub: float, generator
     return selected
 
 
-def in_sample_order(batches: list, mb: range) -> torch.Tensor:
-    """The permutation that puts the concatenated tokens of micro-batches `batches[i] for i in mb` in sample order
-    (the order of fixed micro-batches), so that a global selection does not depend on how samples are grouped."""
-    samples = [torch.tensor(batches[i]["index"], dtype=torch.long).repeat_interleave(batches[i]["lengths"]) for i in mb]
-    return torch.cat(samples).argsort(stable=True)
-
-
 def clip_cov_global_selection(current: list, old_logps: list, batches: list, mb: range, args, generator):
     """--cov-scope global: covariances against the means of the whole optimizer mini-batch of all ranks, and one draw
     among the eligible tokens of all of them; given the current log-probs of this rank's micro-batches
@@ -279,7 +276,7 @@ def clip_cov_global_selection(current: list, old_logps: list, batches: list, mb:
     current, old = torch.cat(current), torch.cat([old_logps[i] for i in mb])
     advantages = torch.cat([batches[i]["advantages"] for i in mb])
     eligible = ~ppo_clip_loss(current, old, advantages, args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c)[1]
-    order = in_sample_order(batches, mb).to(current.device)
+    order = run.in_sample_order(batches, mb).to(current.device)
     gathered, offset = run.gather_ranks(torch.stack([current, advantages, eligible.float()], dim=1)[order])
     cov = token_covariance(gathered[:, 0], gathered[:, 1])
     bounds = (args.clip_cov_ratio, args.clip_cov_lb, args.clip_cov_ub)
@@ -407,18 +404,19 @@ def response_logprobs(model, batch, temperature, chunk_size, with_entropy, num_c
     return chunked_logprobs_entropy(hidden, head, targets, temperature, chunk_size, with_entropy, num_chunks, extra)
 
 
-def make_sampler(args: Args, rank: int, on_gpu: bool):
+def make_sampler(args: Args, rank: int, on_gpu: bool, policy=None):
     """This process's part of a vLLM engine in the torch.distributed world (external launcher): its own engine with
     --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks)."""
     LLM = run.import_vllm()
-    run.check_vllm_memory(args, on_gpu)  # its budget is a fraction of the whole GPU, free now: a clear error if not
+    run.check_vllm_memory(args, on_gpu, policy)  # its budget is free now, with room for the training state: or why not
     if not on_gpu:
-        run.keep_vllm_cpu_weights()  # so that push_weights can update them
+        run.prepare_vllm_cpu(args.vllm_kv_cache_memory)  # plain weights, which push_weights can update; cache size
     return LLM(
         model=args.model_name_or_path,
         dtype="bfloat16" if on_gpu else "float32",
         max_model_len=args.max_prompt_length + args.max_response_length,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        kv_cache_memory_bytes=int(args.vllm_kv_cache_memory * 2**30) or None,
         distributed_executor_backend="external_launcher",
         tensor_parallel_size=args.vllm_tensor_parallel_size,
         seed=args.seed + rank // args.vllm_tensor_parallel_size,  # the ranks of an engine must agree
@@ -488,17 +486,7 @@ def evaluate(args, sampler, policy, tokenizer, eval_data: list, logprobs, group=
     greedy = generate(args, sampler, policy, tokenizer, prompts, [0] * len(prompts), 1, True, group)
     seeds = [(rank + i * world_size) * n for i in range(len(prompts))]  # global position x n
     sampled = generate(args, sampler, policy, tokenizer, prompts, seeds, n, False, group) if n else []
-    # the samples' entropy; ZeRO-3 gathers the weights per forward, so every rank calls the model equally often
-    mbs, entropies = args.micro_batch_size, []  # each sample's summed token entropy
-    calls = torch.tensor([math.ceil(len(sampled) / mbs)], device=device)
-    dist.all_reduce(calls, op=dist.ReduceOp.MAX)
-    with torch.no_grad():
-        for s in range(0, int(calls.item()) * mbs, mbs):
-            chunk = [x.ids for x in sampled[s : s + mbs]]  # past this rank's samples: an empty micro-batch
-            chunk_prompts = [prompts[k // n] for k in range(s, s + len(chunk))]
-            batch = run.collate(chunk_prompts, chunk, tokenizer.pad_token_id, device)
-            token_entropy = logprobs(policy, batch, with_entropy=True)[1]
-            entropies += [e.sum().item() for e in token_entropy.split(batch["lengths"].tolist())]
+    entropies = run.sample_entropies(logprobs, policy, tokenizer, prompts, sampled, n, args.micro_batch_size)
     return run.eval_metrics(tokenizer, shard, greedy, sampled, n, entropies, eval_data, device)
 
 
@@ -538,15 +526,12 @@ if __name__ == "__main__":
     start_step, method_state = 0, {}
     if resumed:
         start_step, method_state = checkpoints.load(policy, resumed, rank)
-    # ZeRO-3 gathers weights per call, so every rank calls the head equally often (bounded by the longest batch:
-    # a token-budget training micro-batch, or --micro-batch-size sequences as evaluation forms them)
-    micro_tokens = max(args.max_tokens_per_micro_batch, mbs * args.max_response_length)
-    calls = math.ceil(micro_tokens / args.logprob_chunk_size) if args.zero_stage == 3 else None
+    calls = run.head_calls(args)  # ZeRO-3: every rank calls the output head equally often (None: any number)
 
     def logprobs(model, batch, with_entropy=False, extra=None):
         return response_logprobs(model, batch, args.temperature, args.logprob_chunk_size, with_entropy, calls, extra)
 
-    sampler = make_sampler(args, rank, on_gpu) if args.use_vllm else None
+    sampler = make_sampler(args, rank, on_gpu, policy) if args.use_vllm else None
     tp_group = run.tensor_parallel_group(args.vllm_tensor_parallel_size)  # the ranks sharing this rank's sampler
     sleeping = on_gpu and sampler is not None and args.vllm_sleep_level > 0
     if sampler is not None and resumed:
@@ -688,58 +673,18 @@ if __name__ == "__main__":
         sums["positions"] = sum(batch["input_ids"].numel() for batch in batches)  # padding included
         sums.update(run.rollout_sums(rewards, graded, samples))
         sums["nll"] = -old_logp.sum().item()
-        if sampler is not None:  # the sampler's log-probs against the trainer's, the correction's weights (C 0: none)
-            sampler_logp, cap = torch.cat(sampler_logps), args.vllm_is_cap or math.inf
-            ratio = torch.exp(old_logp.float() - sampler_logp)
-            sums.update(gap=(sampler_logp - old_logp.float()).abs().sum().item(), is_clipped=(ratio > cap).sum().item())
-            sums["is_weight"] = ratio.clamp(max=cap).sum().item()
+        if sampler is not None:  # the sampler's log-probs against the trainer's, the correction's weights
+            sums.update(run.sampler_sums(old_logp, torch.cat(sampler_logps), args.vllm_is_cap))
         g = run.all_reduce_sums(sums, device)
         max_length = torch.tensor([max(len(s.ids) for s in samples)], device=device)
         dist.all_reduce(max_length, op=dist.ReduceOp.MAX)
-        step_time = time.time() - step_start
-        metrics.update(
-            {
-                "rollout/reward": g["reward"] / g["seqs"],
-                "rollout/accuracy": g["correct"] / g["seqs"],
-                "rollout/format_rate": g["boxed"] / g["seqs"],
-                "rollout/reward_failures": g["failures"],
-                "rollout/response_length": g["tokens"] / g["seqs"],
-                "rollout/response_length_max": max_length.item(),
-                "rollout/truncation_rate": g["truncated"] / g["seqs"],
-                "rollout/all_equal_frac": g["all_equal"] / g["groups"],
-                "entropy/full": g["entropy"] / g["tokens"],
-                "entropy/sampled_nll": g["nll"] / g["tokens"],
-                "losses/policy_loss": g["loss"] / updates_per_step,
-                "losses/clip_frac": g["clipped"] / updates_per_step,
-                "losses/approx_kl": g["approx_kl"] / updates_per_step,
-                "losses/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
-                "losses/skipped_updates": skipped,
-                "charts/lr": scheduler.get_last_lr()[0],
-                "time/step": step_time,
-                "charts/tokens_per_second": (g["tokens"] + g["prompt_tokens"]) / step_time,
-                "charts/padding_frac": 1 - (g["tokens"] + g["prompt_tokens"]) / g["positions"],
-            }
-        )
-        if sampler is not None:
-            metrics["rollout/vllm_logprob_gap"] = g["gap"] / g["tokens"]
-            metrics["rollout/is_weight_mean"] = g["is_weight"] / g["tokens"]  # min(ratio, C) over the sampled tokens
-            metrics["rollout/is_clipped_frac"] = g["is_clipped"] / g["tokens"]
-        if ref_policy is not None:
-            metrics["losses/ref_kl"] = g["ref_kl"] / updates_per_step
-        if select:  # the 80/20 rule's mean threshold, the share of tokens trained, their mean entropy
-            metrics["entropy/mask_threshold"] = g["threshold"] / g["selections"]
-            metrics["entropy/kept_frac"] = g["kept"] / (g["tokens"] * args.num_epochs)
-            metrics["entropy/kept"] = g["kept_entropy"] / max(g["kept"], 1)
+        metrics.update(run.step_metrics(g, args, grad_norms, skipped, scheduler, time.time() - step_start, max_length))
         metrics.update(clip_cov_metrics(g, args.num_epochs, selection_time))
         tracker.log(metrics, step + 1)
         progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", entropy=f"{metrics['entropy/full']:.3f}")
 
         # ---- evaluation and checkpoint ----
-        if bad_steps >= args.max_bad_steps:  # every rank agrees: the skip decision is global
-            raise SystemExit(
-                f"error: {bad_steps} consecutive steps had a non-finite gradient (updates skipped, weights "
-                f"still finite); newest checkpoint: {checkpoints.latest(run_dir)}; metrics: {tracker.path}"
-            )
+        run.check_bad_steps(bad_steps, args.max_bad_steps, run_dir, tracker)  # every rank agrees: the skips are global
         done = step + 1 == args.total_steps
         if eval_data and args.eval_every and ((step + 1) % args.eval_every == 0 or done):
             tracker.log(evaluate(args, sampler, policy, tokenizer, eval_data, logprobs, tp_group), step + 1)
@@ -751,6 +696,4 @@ if __name__ == "__main__":
             break
 
     run.finish(policy, tokenizer, run_dir, args, rank, tracker, stopped_at=step + 1 if stopping else None)
-    del sampler  # vLLM tears down its own process groups first
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    run.shutdown(sampler)  # the engine first, then the process groups

@@ -564,7 +564,7 @@ if __name__ == "__main__":
             progress.set_postfix(dataset=chunk[-1][0])
         progress.close()
         if llm is not None:
-            del llm
+            llm.llm_engine.engine_core.shutdown()  # now, not at exit (utils.run.close_engine)
     if worker:
         sys.exit(0)
 

@@ -2,7 +2,8 @@
 DeepSpeed engine. `load`: the model is built partitioned (each rank holds its shards from the start) with exactly the
 checkpoint's weights, and torch's linear is left alone. `bf16`: the GPU config (bf16 weights) accumulates and reduces
 gradients in fp32. `bucket`: with overlap_comm on (as on GPUs) and a reduce bucket smaller than the embedding, whose
-gradient then takes DeepSpeed's oversized-gradient path (ZeRO-2), the same update as with the default bucket."""
+gradient then takes DeepSpeed's oversized-gradient path (ZeRO-2), the same update as with the default bucket; and what
+the first step allocates (Adam's moments, ZeRO-2's gradient partition), as utils.run.later_training_bytes assumes."""
 
 import os
 import sys
@@ -66,14 +67,22 @@ def main(mode: str, model_dir: str, stage: int) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         policy = deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
         assert policy.communication_data_type == torch.float32 and policy.get_data_types()[1] == torch.float32
+        state = policy.optimizer.optimizer.state  # torch's AdamW over the fp32 partition
+        moments = lambda: sum(t.numel() * t.element_size() for s in state.values() for t in s.values() if t.dim())  # noqa: E731
+        assert moments() == 0, "Adam's moments exist before the first step"  # what vLLM's start-up check cannot see
+        n = sum(getattr(p, "ds_numel", p.numel()) for p in policy.module.parameters())
         ids = torch.arange(24).view(2, 12) + 10 * rank
         for micro in range(2):
             policy.backward(policy(input_ids=ids, labels=ids).loss)
-            if micro == 1:  # the accumulated gradient partition, before the update consumes it
-                dtypes = {t.dtype for ts in policy.optimizer.averaged_gradients.values() for t in ts if t is not None}
-                assert dtypes == {torch.float32}, dtypes
+            if micro == 1 and stage == 2:  # the accumulated gradient partition, before the update consumes it
+                grads = [t for ts in policy.optimizer.averaged_gradients.values() for t in ts if t is not None]
+                assert {t.dtype for t in grads} == {torch.float32}, {t.dtype for t in grads}
+                grad_bytes = sum(t.numel() * 4 for t in grads)  # 4 bytes x n / ranks (run.later_training_bytes)
+                assert abs(grad_bytes - 4 * n / world_size) <= 0.02 * 4 * n / world_size, (grad_bytes, n)
             policy.step()
         assert policy.was_step_applied()
+        # the first step created Adam's two fp32 moments of this rank's partition: 8 bytes x n / ranks
+        assert abs(moments() - 8 * n / world_size) <= 0.02 * 8 * n / world_size, (moments(), n)
     dist.barrier()
     if rank == 0:
         print(f"OK {mode} zero-{stage}")

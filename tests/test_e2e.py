@@ -40,7 +40,12 @@ def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, np
         "wandb-tags": "study-1",
         "grading-workers": 2,  # the rewards graded by a pool of two processes
     }
-    run_script("grpo_vanilla.py", script_flags(testbed, **flags), tmp_path, nproc, env={"WANDB_TAGS": "from-env"})
+    env = {"WANDB_TAGS": "from-env"}
+    if nproc == 1:  # a KV cache smaller than VLLM_CPU_KVCACHE_SPACE's whole GiB (which the flag replaces)
+        flags["vllm-kv-cache-memory"], env["VLLM_LOGGING_LEVEL"] = 0.125, "INFO"
+    proc = run_script("grpo_vanilla.py", script_flags(testbed, **flags), tmp_path, nproc, env=env)
+    if nproc == 1:
+        assert re.search(r"Explicitly set \(0\.1[23]/[0-9.]+\) GiB for KV cache", proc.stdout + proc.stderr)
     path = run_dir(tmp_path)
     rows = read_metrics(path)
     assert_trained(rows, path, testbed, 3)

