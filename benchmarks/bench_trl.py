@@ -248,6 +248,8 @@ def command(a, variant: str, out: str) -> list:
     }
     cmd = [py, os.path.join(ROOT, "grpo_vanilla.py"), "--no-gradient-checkpointing"]
     cmd += [] if variant.startswith("ours-vllm") else ["--no-use-vllm"]
+    if variant.startswith("ours-vllm") and a.vllm_kv_cache_memory:
+        cmd += ["--vllm-kv-cache-memory", str(a.vllm_kv_cache_memory)]
     cmd += ["--padding-free"] if packed else []
     for k, v in flags.items():
         cmd += [f"--{k}", str(v)]
@@ -342,6 +344,12 @@ def main():
         "if the longest possible sequence, 128 prompt tokens + --max-response-length, needs it)",
     )
     p.add_argument("--num-mini-batches", type=int, default=1, help="optimizer updates per rollout batch (M)")
+    p.add_argument(
+        "--vllm-kv-cache-memory",
+        type=float,
+        default=0.0,
+        help="ours-vllm*: the engine's KV cache in GiB (--vllm-kv-cache-memory; 0: VLLM_CPU_KVCACHE_SPACE's, 1 GiB)",
+    )
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--timeout", type=int, default=900, help="seconds per run")
     p.add_argument("--max-load", type=float, default=0.0, help="wait before each run for a lower load average")
@@ -431,6 +439,7 @@ def main():
             if a.varlen
             else ""
         )
+        + (f"; ours-vllm*: --vllm-kv-cache-memory {a.vllm_kv_cache_memory:g}" if a.vllm_kv_cache_memory else "")
     )
     if a.varlen:
         print("response lengths (tokens, eos included), counted steps:")

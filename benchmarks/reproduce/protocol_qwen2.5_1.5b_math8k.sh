@@ -170,6 +170,8 @@ method_flags() {  # $METHOD_FLAGS_<script>, when set, replaces the flags below
     # the Cov paper's 7B values (it has no 1.5B setting); KL-Cov uses no PPO clipping
     grpo_klcov) echo "--kl-cov-ratio 2e-3 --ppo-kl-coef 1" ;;
     grpo_clipcov) echo "--clip-cov-ratio 2e-4 --clip-cov-lb 1 --clip-cov-ub 5 --clip-eps-low 1 --clip-eps-high 1" ;;
+    # the entropy-based advantage with the paper's GRPO values (METHODS="vanilla entadv")
+    grpo_entadv) echo "--clip-eps-low 0.2 --clip-eps-high 0.2 --entadv-alpha 0.4 --entadv-kappa 2" ;;
     *) [ -f "$1.py" ] || { echo "unknown method $1: no $1.py (vanilla, aent, klcov, clipcov or a grpo_<name>.py)" >&2
                            exit 1; } ;;
   esac
