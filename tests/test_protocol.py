@@ -135,11 +135,12 @@ def dry_run(**settings):
 
 
 def test_settings_reach_the_commands():
-    """METHOD_FLAGS_<script> replaces a method's flags, any grpo_<name>.py runs (without: its defaults); TRAIN_FLAGS
-    and EVAL_FLAGS come last; DEV and TEST reach their flags."""
+    """METHOD_FLAGS_<script> replaces a method's flags (set but empty: none, the script's defaults); TRAIN_FLAGS and
+    EVAL_FLAGS come last; DEV and TEST reach their flags."""
     proc = dry_run(
         METHODS="vanilla entadv",
         METHOD_FLAGS_grpo_vanilla="--clip-eps-high 0.28",
+        METHOD_FLAGS_grpo_entadv="",
         TRAIN_FLAGS="--total-steps 3 --no-track",
         EVAL_FLAGS="--no-use-vllm",
         DEV="a.jsonl b.jsonl",
