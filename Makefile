@@ -2,7 +2,8 @@
 # Both create .venv from requirements-cpu.txt first (pip only: it finds the local CPU torch build).
 PY := .venv/bin/python
 SCRIPT ?= grpo_vanilla.py
-NPROC ?= 1
+# one rank per core: 200 steps in ~3.5 minutes on 2 cores (benchmarks/results/testbed/README.md)
+NPROC ?= 2
 ARGS ?=
 CPU_ENV := DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_LOGGING_LEVEL=WARNING WANDB_MODE=offline \
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -32,7 +33,7 @@ testbed: venv
 	$(PY) benchmarks/plot_run.py $$(ls -td runs/*/ | head -1)
 
 test: venv
-	$(CPU_ENV) $(PY) -m pytest -x -q -n 2 --dist loadfile tests
+	$(CPU_ENV) $(PY) -m pytest -x -q -n 2 --dist loadgroup tests
 
 # ruff.toml: line length 120; CI runs `make lint` before the tests
 lint: venv

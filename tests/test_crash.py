@@ -11,6 +11,9 @@ import pytest
 import torch
 from launch import COMMON, checkpoints, fault_flags, final_weights, read_metrics, run_dir, run_script, trainer_state
 
+# its module-scoped run is shared by several tests: all of them on one xdist worker (make test: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_crash")
+
 
 @pytest.fixture(scope="module")
 def straight(testbed, tmp_path_factory):

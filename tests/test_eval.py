@@ -19,6 +19,9 @@ from utils.data import load_problems
 from utils.reward import grade, last_boxed
 from utils.testbed import CPU_ENV
 
+# its module-scoped run is shared by several tests: all of them on one xdist worker (make test: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_eval")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**CPU_ENV, "WANDB_MODE": "disabled"}
 # 464 + 48 = the testbed's 512 positions (its worked solutions take ~32 tokens): aime24's first prompt (484 tokens) and

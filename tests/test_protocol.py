@@ -19,6 +19,9 @@ from test_eval import check_protocol_files, read_jsonl
 
 from utils.testbed import CPU_ENV
 
+# its module-scoped run is shared by several tests: all of them on one xdist worker (make test: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_protocol")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "reproduce", "protocol_qwen2.5_1.5b_math8k.sh")
 SELECT_METRIC = "eval/acc"  # the script's default

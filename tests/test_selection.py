@@ -20,6 +20,9 @@ import grpo_klcov as gk
 import grpo_vanilla as gv
 from utils import ops
 
+# its module-scoped run is shared by several tests: all of them on one xdist worker (make test: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_selection")
+
 
 def test_every_script_shares_the_selection():
     import inspect

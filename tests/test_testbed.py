@@ -15,6 +15,9 @@ from utils import testbed as tb_mod
 from utils.data import INSTRUCTION, format_prompt, load_problems
 from utils.reward import math_reward
 
+# its module-scoped run is shared by several tests: all of them on one xdist worker (make test: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_testbed")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -3,6 +3,9 @@
 import pytest
 from launch import read_metrics, run_dir, run_script, script_flags
 
+# its module-scoped run is shared by several tests: all of them on one xdist worker (make test: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_tp")
+
 # 8 prompts x 4 samples per step: every rank of 1, 2 or 4 has its own prompts; 7 eval prompts split unevenly, each
 # sampled 4 times too (on 4 ranks under ZeRO-3 the rank with fewer prompts repeats a forward for the entropy)
 FLAGS = {
