@@ -230,3 +230,31 @@ def test_compare_shows_each_held_out_set(tmp_path):
     assert header.split(" | ")[2:5] == ["eval/acc", "eval/amc23/acc", "eval/gsm8k/acc"], header
     summary = json.loads((out / "compare.json").read_text())["methods"]
     assert summary["grpo_vanilla"]["final"]["eval/gsm8k/acc"][0] == pytest.approx(0.55)
+
+
+def test_testbed_runs_any_method_file_with_its_flags():
+    """testbed.sh: a grpo_<name>.py runs with its own flags; METHOD_FLAGS_<name> replaces them or names a variant
+    (the script, then its flags); a name that is neither stops it in one line."""
+    script = os.path.join(ROOT, "benchmarks", "reproduce", "testbed.sh")
+    env = {**os.environ, "DRY_RUN": "1", "SEEDS": "1", "METHOD_FLAGS_grpo_vanilla": "--clip-eps-high 0.28"}
+    env |= {
+        "METHODS": "grpo_vanilla grpo_entadv grpo_entadv_k3",
+        "METHOD_FLAGS_grpo_entadv_k3": "grpo_entadv --entadv-kappa 3",
+    }
+    proc = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    vanilla, entadv, variant, compare = [shlex.split(line) for line in proc.stdout.splitlines()]
+    for c, name, own in (
+        (vanilla, "grpo_vanilla", ["--clip-eps-high", "0.28"]),
+        (entadv, "grpo_entadv", ["--entadv-alpha", "0.4", "--entadv-kappa", "2"]),
+        (variant, "grpo_entadv_k3", ["--entadv-kappa", "3"]),
+    ):
+        i = next(i for i, t in enumerate(c) if t.startswith("grpo_") and t.endswith(".py"))
+        assert c[-4 - len(own) :] == [*own, "--exp-name", name, "--seed", "1"], c
+        module = importlib.import_module(c[i][: -len(".py")])
+        module.validate_args(tyro.cli(module.Args, args=c[i + 1 :]), world_size=1)
+    assert variant[variant.index("--nproc_per_node") + 4] == "grpo_entadv.py" and compare[1] == "benchmarks/compare.py"
+    proc = subprocess.run(["bash", script], env={**env, "METHODS": "grpo_nothing"}, capture_output=True, text=True)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
+        'unknown method grpo_nothing: no grpo_nothing.py (a variant: METHOD_FLAGS_grpo_nothing="<script> <flags>")'
+    ]
