@@ -86,6 +86,7 @@ def main(mode: str, model_dir: str, stage: int) -> None:
     dist.barrier()
     if rank == 0:
         print(f"OK {mode} zero-{stage}")
+    dist.destroy_process_group()  # before exit: gloo's threads torn down at interpreter exit once aborted a rank
 
 
 if __name__ == "__main__":
