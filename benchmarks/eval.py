@@ -564,7 +564,9 @@ if __name__ == "__main__":
             progress.set_postfix(dataset=chunk[-1][0])
         progress.close()
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()  # now, not at exit (utils.run.close_engine)
+            from utils.run import close_engine
+
+            close_engine(llm)  # now, not at exit
     if worker:
         sys.exit(0)
 
