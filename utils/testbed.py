@@ -60,6 +60,9 @@ CPU_ENV = {
     "HF_HUB_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # no torch.compile on a CPU: vLLM's sampler compiles a small op at its first request and DeepSpeed compiles its
+    # Muon optimizer when a ZeRO engine starts (inductor: a C++ toolchain probe and build), ~4 s of every CPU start
+    "TORCHDYNAMO_DISABLE": "1",
 }
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "testbed")
 PATHS = ((0, 1, 2), (0, 2, 1), (1, 2, 0))

@@ -29,7 +29,7 @@ if [ -z "${PY:-}" ]; then  # this checkout's .venv, else (a git worktree) the ma
   [ -x "$PY" ] || [ ! -x "$main/.venv/bin/python" ] || PY=$main/.venv/bin/python
 fi
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_LOGGING_LEVEL=WARNING WANDB_MODE=offline \
-  HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+  HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false TORCHDYNAMO_DISABLE=1
 
 MODEL=testbed/model TRAIN=testbed/train.jsonl TEST=testbed/test.jsonl
 if [ -z "${DRY_RUN:-}" ]; then
