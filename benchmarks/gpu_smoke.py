@@ -216,9 +216,9 @@ class Smoke:
         result, FAIL lines or None)."""
         out_dir = self.fresh_dir(name)
         flags = {**TRAIN_FLAGS[self.hw], "total-steps": steps, "save-every": 0, "eval-every": 0, **flags}
-        port = free_port()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(port)]
-        cmd += [os.path.abspath(__file__), "--probe", *([os.path.join(ROOT, "tests", "inject.py")] if fault else [])]
+        port = free_port()  # one process needs no launcher: the scripts default to rank 0 of 1 (utils/run.py)
+        cmd = [sys.executable, os.path.abspath(__file__), "--probe"]
+        cmd += [os.path.join(ROOT, "tests", "inject.py")] if fault else []
         cmd += [os.path.join(ROOT, script), "--model-name-or-path", self.testbed.model_dir]
         cmd += ["--dataset", self.testbed.train_file, "--output-dir", out_dir]
         cmd += [x for k, v in flags.items() for x in ([f"--{k}"] if v is True else [f"--{k}", str(v)])]

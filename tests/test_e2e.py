@@ -26,7 +26,7 @@ def assert_trained(rows, path, tb, steps):
     assert any(not torch.equal(before[k], after[k]) for k in before), "weights did not change"
 
 
-@pytest.mark.parametrize("nproc, zero, kl_coef", [(1, 2, 0.0), (2, 2, 0.0), (2, 3, 0.1)])
+@pytest.mark.parametrize("nproc, zero, kl_coef", [(0, 2, 0.0), (2, 2, 0.0), (2, 3, 0.1)])
 def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, nproc, zero, kl_coef):
     flags = {
         "total-steps": 3,
@@ -41,10 +41,10 @@ def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, np
         "grading-workers": 2,  # the rewards graded by a pool of two processes
     }
     env = {"WANDB_TAGS": "from-env"}
-    if nproc == 1:  # a KV cache smaller than VLLM_CPU_KVCACHE_SPACE's whole GiB (which the flag replaces)
+    if nproc == 0:  # one process: a KV cache smaller than VLLM_CPU_KVCACHE_SPACE's whole GiB (which the flag replaces)
         flags["vllm-kv-cache-memory"], env["VLLM_LOGGING_LEVEL"] = 0.125, "INFO"
     proc = run_script("grpo_vanilla.py", script_flags(testbed, **flags), tmp_path, nproc, env=env)
-    if nproc == 1:
+    if nproc == 0:
         assert re.search(r"Explicitly set \(0\.1[23]/[0-9.]+\) GiB for KV cache", proc.stdout + proc.stderr)
     path = run_dir(tmp_path)
     rows = read_metrics(path)
@@ -68,7 +68,7 @@ def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, np
     assert list(run.tags) == ["grpo_vanilla", f"commit:{config['git_commit']}", "study-1", "from-env"]
     in_git = os.path.isdir(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".git"))
     assert re.fullmatch(r"[0-9a-f]{7,}(-dirty)?" if in_git else "unknown", config["git_commit"]), config["git_commit"]
-    assert {f.name for f in dataclasses.fields(Args)} <= config.keys() and config["world_size"] == nproc
+    assert {f.name for f in dataclasses.fields(Args)} <= config.keys() and config["world_size"] == max(nproc, 1)
     assert config["versions"]["torch"] == torch.__version__ and config["versions"]["vllm"] is not None
 
 
@@ -83,7 +83,7 @@ def test_hf_generate_fallback(testbed, tmp_path):
 def test_same_global_batch_gives_the_same_update_on_any_layout(testbed, tmp_path):
     """1 rank x 4 micro-batches and 2 ranks x 2 micro-batches: same samples, same gradient, same weights."""
     common = {"total-steps": 1, "num-prompts-per-step": 4, "group-size": 4, "temperature": 1.0}
-    run_script("grpo_vanilla.py", script_flags(testbed, **common, **{"micro-batch-size": 4}), tmp_path / "a", 1)
+    run_script("grpo_vanilla.py", script_flags(testbed, **common, **{"micro-batch-size": 4}), tmp_path / "a", 0)
     run_script("grpo_vanilla.py", script_flags(testbed, **common, **{"micro-batch-size": 4}), tmp_path / "b", 2)
     (ma,), (mb,) = read_metrics(run_dir(tmp_path / "a")), read_metrics(run_dir(tmp_path / "b"))
     for key in ("rollout/reward", "entropy/full", "losses/policy_loss", "losses/grad_norm"):

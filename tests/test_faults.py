@@ -27,14 +27,19 @@ from launch import (
 )
 
 
-def test_nan_on_one_rank_skips_that_update_on_every_rank(testbed, tmp_path):
-    """Rank 1 alone gets a NaN loss in step 2: neither rank applies that update, and the run goes on."""
-    common = {**COMMON, "num-mini-batches": 1, "total-steps": 3, "keep-checkpoints": 3}
+def test_nan_on_one_rank_skips_that_update_on_every_rank_and_keeps_the_learning_rate_schedule(testbed, tmp_path):
+    """Rank 1 alone gets a NaN loss in step 2: neither rank applies that update, and the run goes on. DeepSpeed steps
+    the LR scheduler only on applied updates (engine.py _take_model_step); the scripts step it on a skipped one too,
+    so the warm-up follows the training steps: the learning rate is the one an uninterrupted run has at every step
+    (5e-4 x (s + 1) / 5 after step s, 4 warm-up steps, 1 update per step)."""
+    common = {**COMMON, "num-mini-batches": 1, "total-steps": 3, "keep-checkpoints": 3, "warmup-steps": 4}
     # per step and rank: 2 prompts x 4 samples, micro-batches of 4: rank 1's 3rd backward is in step 2
-    run_script("grpo_vanilla.py", script_flags(testbed, **common), tmp_path, nproc=2, fault="nan-loss:3:1")
+    flags = script_flags(testbed, **common, **{"no-use-vllm": True})
+    run_script("grpo_vanilla.py", flags, tmp_path, nproc=2, fault="nan-loss:3:1")
     path = run_dir(tmp_path)
     rows = read_metrics(path)
     assert [r["losses/skipped_updates"] for r in rows] == [0, 1, 0]
+    assert [r["charts/lr"] for r in rows] == pytest.approx([5e-4 * (s + 1) / 5 for s in (1, 2, 3)])
     assert math.isnan(rows[1]["losses/grad_norm"]) and all(math.isfinite(rows[i]["losses/grad_norm"]) for i in (0, 2))
     modules = [
         torch.load(f, weights_only=False)["module"]
@@ -52,6 +57,7 @@ def test_nan_on_one_rank_skips_that_update_on_every_rank(testbed, tmp_path):
 
 def test_persistent_nan_aborts_with_a_clear_message_and_finite_weights(testbed, tmp_path):
     common = {**COMMON, "num-mini-batches": 1, "micro-batch-size": 8, "total-steps": 6, "max-bad-steps": 2}
+    common["no-use-vllm"] = True
     # 2 backward calls per step: from step 2 on every loss is NaN
     proc = run_script(
         "grpo_vanilla.py", script_flags(testbed, **common), tmp_path, nproc=0, fault="nan-loss:3+", check=False
@@ -135,9 +141,8 @@ def test_slow_rewards_and_bad_rows_are_counted_never_hang(testbed, tmp_path):
 def test_disk_full_during_a_periodic_checkpoint_warns_and_training_goes_on(testbed, tmp_path):
     """ENOSPC in rank 0's write of step 2's engine state (2 ranks: rank 1 is waiting in DeepSpeed's closing barrier):
     a warning naming the cause, no partial directory left, training goes on, the later checkpoints are written."""
-    proc = run_script(
-        "grpo_vanilla.py", fault_flags(testbed, "grpo_vanilla.py"), tmp_path, nproc=2, fault="disk-full:3:0"
-    )
+    flags = fault_flags(testbed, "grpo_vanilla.py", **{"no-use-vllm": True})
+    proc = run_script("grpo_vanilla.py", flags, tmp_path, nproc=2, fault="disk-full:3:0")
     assert "warning: checkpoint of step 2 not written: no space left on the device" in proc.stderr, proc.stderr[-3000:]
     path = run_dir(tmp_path)
     assert checkpoints(path) == ["step_0000003", "step_0000004"] and os.path.exists(os.path.join(path, "final"))
@@ -165,18 +170,6 @@ def test_disk_too_small_for_any_checkpoint_is_a_warning_then_one_line(testbed, t
     assert "needs ~" in lines[-1] and "newest complete checkpoint: none yet" in lines[-1]
     assert "warning: checkpoint of step 1 not written: not enough free space" in proc.stderr
     assert listed == []
-
-
-def test_a_skipped_update_keeps_the_learning_rate_schedule(testbed, tmp_path):
-    """DeepSpeed steps the LR scheduler only on applied updates (engine.py _take_model_step); the scripts step it on a
-    skipped one too, so the warm-up follows the training steps: after a NaN in step 2 the learning rate is the one an
-    uninterrupted run has at every step (5e-4 x (s + 1) / 5 after step s, 4 warm-up steps, 1 update per step)."""
-    flags = {**COMMON, "num-mini-batches": 1, "total-steps": 3, "warmup-steps": 4, "save-every": 0}
-    # 4 backward calls per step (16 sequences, micro-batches of 4): the 5th is step 2's first
-    run_script("grpo_vanilla.py", script_flags(testbed, **flags), tmp_path, nproc=0, fault="nan-loss:5")
-    rows = read_metrics(run_dir(tmp_path))
-    assert [r["losses/skipped_updates"] for r in rows] == [0, 1, 0]
-    assert [r["charts/lr"] for r in rows] == pytest.approx([5e-4 * (s + 1) / 5 for s in (1, 2, 3)])
 
 
 def test_rollout_correction_weights_the_loss_by_the_sampler_mismatch(testbed, tmp_path):

@@ -23,7 +23,7 @@ EVAL_SAMPLED = ("eval/mean_acc", "eval/pass@2", "eval/pass@4", "eval/entropy", "
 @pytest.fixture(scope="module")
 def single(testbed, tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
-    run_script("grpo_vanilla.py", script_flags(testbed, **FLAGS, **{"eval-dataset": testbed.test_file}), out, nproc=1)
+    run_script("grpo_vanilla.py", script_flags(testbed, **FLAGS, **{"eval-dataset": testbed.test_file}), out)
     return read_metrics(run_dir(out))
 
 
