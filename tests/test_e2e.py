@@ -4,15 +4,18 @@ import dataclasses
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 import tyro
-from launch import final_weights, read_metrics, run_dir, run_script, script_flags, wandb_records
+from launch import ROOT, final_weights, read_metrics, run_dir, run_script, script_flags, wandb_records
 from safetensors.torch import load_file
 
 from grpo_vanilla import Args, validate_args
 from utils.data import check_model
+from utils.testbed import CPU_ENV
 
 
 def assert_trained(rows, path, tb, steps):
@@ -156,6 +159,16 @@ def test_single_update_reads_old_logprobs_from_the_training_forward(testbed, tmp
         assert a.get("rollout/vllm_logprob_gap", 0) < 1e-3  # logged with vLLM, as the line above checks
     wa, wb = final_weights(run_dir(tmp_path / "fold")), final_weights(run_dir(tmp_path / "pass"))
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+@pytest.mark.vllm
+def test_an_error_after_vllm_is_imported_is_still_one_line():
+    """import_vllm freezes the heap out of the garbage collector's reach; an error exit before the engine's shutdown
+    must still end with its one line (not with nanobind's exit-time report of the objects a frozen heap keeps)."""
+    code = "from utils import run; run.import_vllm(); raise SystemExit('error: after vLLM')"
+    env = {**os.environ, **CPU_ENV}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == "error: after vLLM", proc.stderr[-2000:]
 
 
 def test_missing_model_is_one_clear_line(testbed, tmp_path):

@@ -4,6 +4,7 @@ themselves: utils/checkpoints.py), evaluation scoring, metrics.jsonl and wandb, 
 scripts call these explicitly, in the order they run; nothing here calls back into a script. One copy here instead of
 four: a change (e.g. to the DeepSpeed config) reaches every method at once."""
 
+import atexit
 import ctypes
 import gc
 import importlib
@@ -462,13 +463,16 @@ def tensor_parallel_group(tp: int):
 def import_vllm():
     """vLLM's LLM class, its engine in this process (no engine-core subprocess), or a one-line error without vLLM.
     The objects alive now (modules, the policy) are frozen out of the cyclic garbage collector's reach: vLLM's start-up
-    collects the whole heap six times (model loading, the cache profiling, its own gc.freeze), ~2 s of a CPU start."""
+    collects the whole heap six times (model loading, the cache profiling, its own gc.freeze), ~2 s of a CPU start.
+    They are unfrozen at exit (the engine's shutdown does it too): an error exit then ends with its one line, not with
+    nanobind's report of the objects a frozen heap leaves behind."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         from vllm import LLM
     except ImportError:
         raise SystemExit("error: vLLM is not installed; install it (requirements.txt) or pass --no-use-vllm")
     gc.freeze()
+    atexit.register(gc.unfreeze)
     return LLM
 
 
