@@ -216,18 +216,13 @@ class Smoke:
         result, FAIL lines or None)."""
         out_dir = self.fresh_dir(name)
         flags = {**TRAIN_FLAGS[self.hw], "total-steps": steps, "save-every": 0, "eval-every": 0, **flags}
-        port = free_port()  # one process needs no launcher: the scripts default to rank 0 of 1 (utils/run.py)
+        # one process needs no launcher: the scripts default to rank 0 of 1 (utils/run.py); run() gives it a port
         cmd = [sys.executable, os.path.abspath(__file__), "--probe"]
         cmd += [os.path.join(ROOT, "tests", "inject.py")] if fault else []
         cmd += [os.path.join(ROOT, script), "--model-name-or-path", self.testbed.model_dir]
         cmd += ["--dataset", self.testbed.train_file, "--output-dir", out_dir]
         cmd += [x for k, v in flags.items() for x in ([f"--{k}"] if v is True else [f"--{k}", str(v)])]
-        env = {
-            "MASTER_PORT": str(port),
-            "WANDB_DIR": out_dir,
-            **({"GRPO_FAULT": fault} if fault else {}),
-            **(env or {}),
-        }
+        env = {"WANDB_DIR": out_dir, **({"GRPO_FAULT": fault} if fault else {}), **(env or {})}
         return out_dir, *self.run(name, cmd, out_dir, env=env)
 
     def run_dir_of(self, out_dir: str) -> str:

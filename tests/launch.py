@@ -66,8 +66,7 @@ def run_script(script, flags, output_dir, nproc=0, timeout=600, check=True, faul
     cmd, env = launch_command(script, flags, output_dir, nproc, fault, env)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        stderr = "\n".join(line for line in proc.stderr.splitlines() if "leaked" not in line)  # nanobind at exit
-        pytest.fail(f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{stderr[-5000:]}")
+        pytest.fail(f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
 
 

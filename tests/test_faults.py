@@ -56,8 +56,14 @@ def test_nan_on_one_rank_skips_that_update_on_every_rank_and_keeps_the_learning_
 
 
 def test_persistent_nan_aborts_with_a_clear_message_and_finite_weights(testbed, tmp_path):
-    common = {**COMMON, "num-mini-batches": 1, "micro-batch-size": 8, "total-steps": 6, "max-bad-steps": 2}
-    common["no-use-vllm"] = True
+    common = {
+        **COMMON,
+        "num-mini-batches": 1,
+        "micro-batch-size": 8,
+        "total-steps": 6,
+        "max-bad-steps": 2,
+        "no-use-vllm": True,
+    }
     # 2 backward calls per step: from step 2 on every loss is NaN
     proc = run_script(
         "grpo_vanilla.py", script_flags(testbed, **common), tmp_path, nproc=0, fault="nan-loss:3+", check=False
