@@ -65,3 +65,10 @@ def test_tensor_parallel_groups_generate_each_ranks_own_prompts(testbed, tmp_pat
     assert all(
         0 <= r["eval/mean_acc"] <= r["eval/pass@2"] <= r["eval/pass@4"] <= 1 and r["eval/entropy"] > 0 for r in evals
     )
+
+
+def test_this_module_runs_on_one_worker(request):
+    """make test's --dist loadgroup keeps this module on one worker: `single` runs once and the TP runs one after the
+    other. pytest-xdist marks each grouped test's id for that; under pytest 9 it cannot (pytest 8.4 pinned)."""
+    if getattr(request.config.option, "loadgroup", False):  # set on the workers of --dist loadgroup
+        assert request.node.nodeid.endswith("@test_tp"), request.node.nodeid
