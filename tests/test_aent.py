@@ -12,9 +12,6 @@ from launch import read_metrics, run_dir, run_script, script_flags, trainer_stat
 import grpo_aent as ga
 from utils import ops
 
-# its module-scoped run is shared by several tests: all of them on one xdist worker (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_aent")
-
 
 def definition(logits, clamp_p):
     """The paper's clamped entropy, literally: -inf on the floor(p V) lowest logits (top-k indices), softmax, H."""

@@ -11,8 +11,8 @@ import pytest
 import torch
 from launch import COMMON, checkpoints, fault_flags, final_weights, read_metrics, run_dir, run_script, trainer_state
 
-# its module-scoped run is shared by several tests: all of them on one xdist worker (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_crash")
+# the tests sharing its module-scoped runs: on one xdist worker (make test: --dist loadgroup), the others anywhere
+SHARED = pytest.mark.xdist_group("test_crash")
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,7 @@ def test_killed_run_resumes_from_its_last_complete_checkpoint_on_the_same_trajec
     assert_same_run(straight(script), path)
 
 
+@SHARED
 def test_resume_refuses_changed_training_settings(testbed, straight, tmp_path):
     path = shutil.copytree(straight("grpo_vanilla.py"), tmp_path / "run")
     proc = run_script(
@@ -104,6 +105,7 @@ def test_resume_refuses_changed_training_settings(testbed, straight, tmp_path):
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4, 5]
 
 
+@SHARED
 def test_damaged_newest_checkpoint_resumes_from_the_older_intact_one(testbed, straight, tmp_path):
     """The newest checkpoint's model file cut to 1000 bytes (a failing disk, a partial copy): detected by its recorded
     size and sha256 before anything loads, named in a warning; the run resumes from the older checkpoint and follows

@@ -19,8 +19,8 @@ from utils.data import load_problems
 from utils.reward import grade, last_boxed
 from utils.testbed import CPU_ENV
 
-# its module-scoped run is shared by several tests: all of them on one xdist worker (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_eval")
+# the tests sharing its module-scoped runs: on one xdist worker (make test: --dist loadgroup), the others anywhere
+SHARED = pytest.mark.xdist_group("test_eval")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**CPU_ENV, "WANDB_MODE": "disabled"}
@@ -70,6 +70,7 @@ def evaluated(testbed, tmp_path_factory):
     return out, flags
 
 
+@SHARED
 @pytest.mark.vllm
 def test_results_are_well_formed(evaluated):
     out, _ = evaluated
@@ -93,6 +94,7 @@ def test_results_are_well_formed(evaluated):
     assert all(f"| {name} |" in table for name in [*VENDORED, "test", "average"])
 
 
+@SHARED
 @pytest.mark.vllm
 def test_samples_are_graded_like_training(evaluated, testbed):
     from transformers import AutoTokenizer
@@ -159,6 +161,7 @@ def check_protocol_files(out, rows, tokenizer, vocab_size, name):
         assert np.allclose(-(logp.exp() * logp).sum(-1).numpy(), per_token, atol=2e-2)  # float16 logits
 
 
+@SHARED
 @pytest.mark.vllm
 def test_protocol_files(evaluated, testbed):
     from transformers import AutoTokenizer
@@ -187,6 +190,7 @@ def test_protocol_files_of_a_test_file_given_by_path(testbed, tmp_path):
     check_protocol_files(out, rows, AutoTokenizer.from_pretrained(testbed.model_dir), vocab_size, "test")
 
 
+@SHARED
 @pytest.mark.vllm
 def test_resume_keeps_finished_problems_and_resamples_identically(evaluated, tmp_path):
     out, flags = evaluated

@@ -19,8 +19,8 @@ from test_eval import check_protocol_files, read_jsonl
 
 from utils.testbed import CPU_ENV
 
-# its module-scoped run is shared by several tests: all of them on one xdist worker (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_protocol")
+# the tests sharing its module-scoped runs: on one xdist worker (make test: --dist loadgroup), the others anywhere
+SHARED = pytest.mark.xdist_group("test_protocol")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "reproduce", "protocol_qwen2.5_1.5b_math8k.sh")
@@ -73,6 +73,7 @@ def protocol(testbed, tmp_path_factory):
     return run_dir(tmp / "out"), str(test_file), proc
 
 
+@SHARED
 def test_the_best_dev_checkpoint_is_chosen(protocol):
     run, _, proc = protocol
     scores = {r["step"]: r[SELECT_METRIC] for r in read_metrics(run) if SELECT_METRIC in r}
@@ -91,6 +92,7 @@ def test_the_best_dev_checkpoint_is_chosen(protocol):
     print(f"{SELECT_METRIC} by step: {scores}; chosen: step {best}")
 
 
+@SHARED
 def test_the_export_is_the_checkpoints_master_weights(protocol, testbed, monkeypatch):
     """best/model.safetensors against the chosen checkpoint's fp32 master weights, read by DeepSpeed's zero_to_fp32
     here; that reader is first checked against final/ (the trainer's own weights after the last step) on the last
@@ -116,6 +118,7 @@ def test_the_export_is_the_checkpoints_master_weights(protocol, testbed, monkeyp
         assert any(not exported[k].equal(final[k]) for k in final)  # another step's weights, not the last
 
 
+@SHARED
 def test_the_protocol_files(protocol):
     from transformers import AutoTokenizer
 

@@ -20,8 +20,8 @@ import grpo_klcov as gk
 import grpo_vanilla as gv
 from utils import ops
 
-# its module-scoped run is shared by several tests: all of them on one xdist worker (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_selection")
+# the tests sharing its module-scoped runs: on one xdist worker (make test: --dist loadgroup), the others anywhere
+SHARED = pytest.mark.xdist_group("test_selection")
 
 
 def test_every_script_shares_the_selection():
@@ -205,6 +205,7 @@ def target_run(testbed, tmp_path_factory):
     return run_dir(out), target
 
 
+@SHARED
 def test_target_rule_equals_trls_update_replayed_on_the_logged_entropies(target_run):
     path, target = target_run
     rows = read_metrics(path)
@@ -222,6 +223,7 @@ def test_target_rule_equals_trls_update_replayed_on_the_logged_entropies(target_
         assert r["entropy/bonus"] == pytest.approx(r["entropy/coef_applied"] * r["entropy/clamped_train"], rel=0.1)
 
 
+@SHARED
 def test_killed_target_rule_run_resumes_the_same_coefficient_trajectory(testbed, target_run, tmp_path):
     path, target = target_run
     flags = script_flags(testbed, **TARGET, **{"entropy-target": target})

