@@ -11,7 +11,8 @@ import pytest
 import torch
 from launch import COMMON, checkpoints, fault_flags, final_weights, read_metrics, run_dir, run_script, trainer_state
 
-# the tests sharing its module-scoped runs: on one xdist worker (make test: --dist loadgroup), the others anywhere
+# the tests sharing its module-scoped runs (vanilla's uninterrupted run): on one xdist worker (make test: --dist
+# loadgroup), the others anywhere
 SHARED = pytest.mark.xdist_group("test_crash")
 
 
@@ -48,7 +49,7 @@ def assert_same_run(a, b):
 @pytest.mark.parametrize(
     "script, fault, complete",
     [
-        ("grpo_vanilla.py", "kill-generate:3", 2),  # step 3's rollouts
+        pytest.param("grpo_vanilla.py", "kill-generate:3", 2, marks=SHARED),  # step 3's rollouts; vanilla's run
         ("grpo_aent.py", "kill-step:5", 2),  # step 3's first optimizer update
         ("grpo_klcov.py", "kill-step:6", 2),  # step 3's second update: the first one is already applied
         ("grpo_clipcov.py", "kill-save:2", 1),  # writing step 2's checkpoint: engine state written, not yet complete
