@@ -1,9 +1,10 @@
 """Run by tests/test_deepspeed.py under torchrun on CPU: the policy's DeepSpeed config and ZeRO-3 loading in the real
-DeepSpeed engine. `load`: the model is built partitioned (each rank holds its shards from the start) with exactly the
-checkpoint's weights, and torch's linear is left alone. `bf16`: the GPU config (bf16 weights) accumulates and reduces
-gradients in fp32. `bucket`: with overlap_comm on (as on GPUs) and a reduce bucket smaller than the embedding, whose
-gradient then takes DeepSpeed's oversized-gradient path (ZeRO-2), the same update as with the default bucket; and what
-the first step allocates (Adam's moments, ZeRO-2's gradient partition), as utils.run.later_training_bytes assumes."""
+DeepSpeed engine; `ds_probe.py CHECKS MODEL_DIR STAGE` runs the comma-separated checks in turn. `load`: the model is
+built partitioned (each rank holds its shards from the start) with exactly the checkpoint's weights, and torch's
+linear is left alone. `bf16`: the GPU config (bf16 weights) accumulates and reduces gradients in fp32, and the first
+step allocates what utils.run.later_training_bytes assumes (Adam's moments, ZeRO-2's gradient partition). `bucket`:
+with overlap_comm on (as on GPUs) and a reduce bucket smaller than the embedding, whose gradient then takes
+DeepSpeed's oversized-gradient path (ZeRO-2), the same update as with the default bucket."""
 
 import os
 import sys
