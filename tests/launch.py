@@ -1,11 +1,15 @@
 """Launching the method scripts on the CPU testbed from tests: flags, torchrun, run directories, metrics."""
 
+import atexit
 import json
 import os
+import select
+import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from safetensors.torch import load_file
@@ -45,29 +49,83 @@ def script_flags(tb, **overrides) -> list:
     return out
 
 
-def launch_command(script, flags, output_dir, nproc=0, fault=None, env=None):
-    """(command, environment) that runs `script` on `nproc` CPU processes under torchrun, or as one plain `python
-    script` (nproc 0, the default: no launcher, ~3 CPU-s and ~5 s less per run), optionally with a fault injected by
-    tests/inject.py (GRPO_FAULT syntax)."""
-    port = free_port()
-    launcher = (
-        ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port)] if nproc else []
-    )
+def script_argv(script, flags, output_dir, fault=None, env=None):
+    """(argv after the interpreter, environment) of a run of `script`, optionally with a fault injected by
+    tests/inject.py (GRPO_FAULT syntax); the environment names a free MASTER_PORT for runs on several ranks."""
     entry = [os.path.join(ROOT, "tests", "inject.py")] if fault else []
-    cmd = [sys.executable, *launcher, *entry, os.path.join(ROOT, script), "--output-dir", str(output_dir), *flags]
-    env = {**os.environ, **CPU_ENV, "MASTER_PORT": str(port), "WANDB_DIR": str(output_dir), **(env or {})}
+    argv = [*entry, os.path.join(ROOT, script), "--output-dir", str(output_dir), *flags]
+    env = {**os.environ, **CPU_ENV, "MASTER_PORT": str(free_port()), "WANDB_DIR": str(output_dir), **(env or {})}
     if fault:
         env["GRPO_FAULT"] = fault
-    return cmd, env
+    return argv, env
 
 
-def run_script(script, flags, output_dir, nproc=0, timeout=600, check=True, fault=None, env=None):
-    """Launch `script` (see launch_command) and wait for it; return the finished process."""
-    cmd, env = launch_command(script, flags, output_dir, nproc, fault, env)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+def plain_command(argv, env, nproc=0) -> list:
+    """The command line that runs argv on `nproc` CPU processes under torchrun, or as one plain `python script`
+    (nproc 0: no launcher)."""
+    launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", env["MASTER_PORT"]]
+    return [sys.executable, *(launcher if nproc else []), *argv]
+
+
+def run_script(script, flags, output_dir, nproc=0, timeout=600, check=True, fault=None, env=None, plain=False):
+    """Run `script` (see script_argv) and wait for it; return the finished process. The run is forked from this
+    worker's fork server (run_python), or with `plain` launched as plain_command's command line."""
+    argv, env = script_argv(script, flags, output_dir, fault, env)
+    if plain:
+        cmd = plain_command(argv, env, nproc)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    else:
+        proc = run_python(argv, env, nproc, timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+# environment variables the libraries read only when a run uses them: they may differ from the fork server's
+LAZY = {"MASTER_PORT", "WANDB_DIR", "WANDB_MODE", "WANDB_TAGS", "GRPO_FAULT", "GRPO_RATIO", "PYTEST_CURRENT_TEST"}
+_server = {}
+
+
+def run_python(argv, env, nproc=0, timeout=600, cwd=ROOT) -> subprocess.CompletedProcess:
+    """`python *argv` in `env` (on `nproc` ranks when > 0), forked from this worker's fork server (tests/forkserver.py,
+    started on first use in the CPU test environment). An environment that differs from that one in more than the
+    LAZY keys runs a plain interpreter (torchrun for ranks) instead."""
+    base = {**os.environ, **CPU_ENV}
+    if any(env.get(k) != base.get(k) for k in (env.keys() | base.keys()) - LAZY):
+        cmd = plain_command(argv, env, nproc)
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    server = _server.get("proc")
+    if server is None or server.poll() is not None:
+        log = tempfile.NamedTemporaryFile(prefix="forkserver-", suffix=".log", delete=False)
+        server = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "tests", "forkserver.py")],
+            cwd=ROOT,
+            env=base,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            start_new_session=True,  # its own process group: a timeout kills the server and every run it forked
+        )
+        _server.update(proc=server, log=log.name)
+        atexit.register(server.kill)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        for path in (out, err):
+            open(path, "w").close()
+        request = {"argv": argv, "env": env, "cwd": str(cwd), "nproc": nproc, "stdout": out, "stderr": err}
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        if not select.select([server.stdout], [], [], timeout)[0]:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+            raise subprocess.TimeoutExpired(argv, timeout)
+        line = server.stdout.readline()
+        if not line:
+            with open(_server["log"]) as f:
+                raise RuntimeError(f"the fork server exited {server.wait()}:\n{f.read()[-3000:]}")
+        with open(out) as f, open(err) as g:
+            return subprocess.CompletedProcess(argv, json.loads(line)["returncode"], f.read(), g.read())
 
 
 def run_dir(output_dir) -> str:

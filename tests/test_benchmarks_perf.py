@@ -6,12 +6,12 @@ import re
 import subprocess
 import sys
 
-from launch import CPU_ENV, ROOT, free_port
+from launch import CPU_ENV, ROOT, free_port, run_python
 
 
 def run_benchmark(args, timeout=120):
     env = {**os.environ, **CPU_ENV, "MASTER_PORT": str(free_port())}
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_python(args, env, timeout=timeout)
     assert proc.returncode == 0, f"{args[0]} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 

@@ -5,14 +5,13 @@ import math
 import os
 import re
 import shutil
-import subprocess
-import sys
 from itertools import combinations
 
 import math_verify  # noqa: F401  # imported up front: grade() counts a first import against its time limit
 import numpy as np
 import pandas as pd
 import pytest
+from launch import run_python
 
 from benchmarks.eval import VENDORED, majority_vote, pass_at_k, protocol_output
 from utils.data import load_problems
@@ -30,14 +29,7 @@ LENGTHS = ["--max-prompt-length", "464", "--max-response-length", "48"]
 
 
 def run_eval(flags, timeout=240, check=True):
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/eval.py", *flags],
-        cwd=ROOT,
-        env={**os.environ, **ENV},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    proc = run_python(["benchmarks/eval.py", *flags], {**os.environ, **ENV}, timeout=timeout)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

@@ -19,10 +19,11 @@ from launch import (
     checkpoints,
     fault_flags,
     final_weights,
-    launch_command,
+    plain_command,
     read_metrics,
     run_dir,
     run_script,
+    script_argv,
     script_flags,
 )
 
@@ -98,9 +99,8 @@ def wait_for_step(path_glob, step, proc, timeout=300):
 )
 def test_preemption_signal_checkpoints_and_exits_cleanly(testbed, tmp_path, script, nproc, sig):
     """A scheduler's SIGTERM (here to one rank only) or a Ctrl-C: every rank stops after the step, one checkpoint."""
-    cmd, env = launch_command(
-        script, fault_flags(testbed, script, **{"total-steps": 1000, "save-every": 0}), tmp_path, nproc
-    )
+    argv, env = script_argv(script, fault_flags(testbed, script, **{"total-steps": 1000, "save-every": 0}), tmp_path)
+    cmd = plain_command(argv, env, nproc)  # torchrun's own process tree: a rank is a child of the launcher
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     path = wait_for_step(f"{tmp_path}/*/metrics.jsonl", 1, proc)
     if nproc:  # one of the ranks, the children of the launcher
