@@ -46,8 +46,10 @@ def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, np
     env = {"WANDB_TAGS": "from-env"}
     if nproc == 0:  # one process: a KV cache smaller than VLLM_CPU_KVCACHE_SPACE's whole GiB (which the flag replaces)
         flags["vllm-kv-cache-memory"], env["VLLM_LOGGING_LEVEL"] = 0.125, "INFO"
-    # the command lines users run: `python grpo_vanilla.py`, torchrun (not the tests' fork server)
-    proc = run_script("grpo_vanilla.py", script_flags(testbed, **flags), tmp_path, nproc, env=env, plain=True)
+    # the command lines users run for one process and ZeRO-3 (`python grpo_vanilla.py`, torchrun); ZeRO-2's two ranks
+    # are forked by the tests' fork server as DeepSpeed's launcher starts them (tests/forkserver.py)
+    plain = nproc == 0 or zero == 3
+    proc = run_script("grpo_vanilla.py", script_flags(testbed, **flags), tmp_path, nproc, env=env, plain=plain)
     if nproc == 0:
         assert re.search(r"Explicitly set \(0\.1[23]/[0-9.]+\) GiB for KV cache", proc.stdout + proc.stderr)
     path = run_dir(tmp_path)

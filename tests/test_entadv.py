@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
+from launch import final_weights, read_metrics, run_dir, run_script, script_flags
 
 import grpo_entadv as ge
-from tests.launch import final_weights, read_metrics, run_dir, run_script, script_flags
 
 
 def published(a: float, h: float, alpha: float, kappa: float) -> float:
