@@ -7,10 +7,11 @@ import time (a vLLM log level, a PYTHONPATH) and the tests of the command line i
 
 Several ranks are forked as DeepSpeed's own launcher starts them (deepspeed/launcher/launch.py: RANK, LOCAL_RANK,
 WORLD_SIZE, LOCAL_SIZE, MASTER_ADDR/PORT; rank 0 hosts the store; one rank failing stops the others and the run's exit
-status is 1). The tests that signal a launcher's ranks, and test_e2e's runs, launch torchrun.
+status is 1). test_e2e's runs on one process and under ZeRO-3 launch `python` and torchrun, as users do.
 
-Protocol, one JSON line each way on stdin/stdout: {"argv", "env", "cwd", "nproc", "stdout", "stderr"} (the two output
-files, appended to by every rank) -> {"returncode"} (as subprocess gives it: negative for a signal)."""
+Protocol, JSON lines on stdin/stdout: {"argv", "env", "cwd", "nproc", "stdout", "stderr"} (the two output files,
+appended to by every rank) -> {"pids"} once forked, {"returncode"} (as subprocess gives it: negative for a signal) once
+every rank has ended. The server changes no signal handler: the runs get those of a fresh interpreter."""
 
 import atexit
 import glob
@@ -48,8 +49,6 @@ def preload():
 def run_child(request, rank):
     """In the forked process: the run's environment, directory and output files, then the script as __main__.
     Exceptions and SystemExit leave through the interpreter's own exit (traceback or message, atexit, exit status)."""
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
     os.environ.clear()
     os.environ.update(request["env"])
     if request["nproc"]:
@@ -120,6 +119,8 @@ def serve():
                 out.close()
                 run_child(request, rank)
             pids.append(pid)
+        out.write(json.dumps({"pids": pids}) + "\n")
+        out.flush()
         codes = wait_all(pids)
         # vLLM-CPU unlinks a tensor-parallel engine's shared memory in a C++ destructor at exit, which os._exit skips;
         # utils/run.py name_vllm_cpu_shm names the segments after rank 0's pid

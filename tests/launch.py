@@ -1,9 +1,11 @@
-"""Launching the method scripts on the CPU testbed from tests: flags, torchrun, run directories, metrics."""
+"""Launching the method scripts on the CPU testbed from tests: flags, the fork server (or python and torchrun), run
+directories, metrics."""
 
 import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -87,45 +89,74 @@ _server = {}
 
 
 def run_python(argv, env, nproc=0, timeout=600, cwd=ROOT) -> subprocess.CompletedProcess:
-    """`python *argv` in `env` (on `nproc` ranks when > 0), forked from this worker's fork server (tests/forkserver.py,
-    started on first use in the CPU test environment). An environment that differs from that one in more than the
-    LAZY keys runs a plain interpreter (torchrun for ranks) instead."""
+    """`python *argv` in `env` (on `nproc` ranks when > 0), forked from this worker's fork server (ForkedRun). An
+    environment that differs from the CPU test environment in more than the LAZY keys runs a plain interpreter
+    (torchrun for ranks) instead."""
     base = {**os.environ, **CPU_ENV}
     if any(env.get(k) != base.get(k) for k in (env.keys() | base.keys()) - LAZY):
         cmd = plain_command(argv, env, nproc)
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    server = _server.get("proc")
-    if server is None or server.poll() is not None:
-        log = tempfile.NamedTemporaryFile(prefix="forkserver-", suffix=".log", delete=False)
-        server = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "tests", "forkserver.py")],
-            cwd=ROOT,
-            env=base,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            start_new_session=True,  # its own process group: a timeout kills the server and every run it forked
-        )
-        _server.update(proc=server, log=log.name)
-        atexit.register(server.kill)
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        for path in (out, err):
+    run = ForkedRun(argv, env, nproc, cwd)
+    out, err = run.communicate(timeout)
+    return subprocess.CompletedProcess(argv, run.returncode, out, err)
+
+
+class ForkedRun:
+    """`python *argv` on `nproc` ranks forked from this worker's fork server (tests/forkserver.py, started on first use
+    in the CPU test environment), with what the tests use of subprocess.Popen: poll(), communicate(), returncode;
+    `pids`: its processes (rank 0 first)."""
+
+    def __init__(self, argv, env, nproc=0, cwd=ROOT):
+        server = _server.get("proc")
+        if server is None or server.poll() is not None:
+            log = tempfile.NamedTemporaryFile(prefix="forkserver-", suffix=".log", delete=False)
+            server = subprocess.Popen(
+                [sys.executable, os.path.join(ROOT, "tests", "forkserver.py")],
+                cwd=ROOT,
+                env={**os.environ, **CPU_ENV},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                start_new_session=True,  # its own process group: a timeout kills the server and every run it forked
+            )
+            _server.update(proc=server, log=log.name)
+            atexit.register(os.remove, log.name)
+            atexit.register(server.kill)
+        self.server, self.argv, self.returncode = server, argv, None
+        self.tmp = tempfile.mkdtemp(prefix="forked-")
+        self.out, self.err = os.path.join(self.tmp, "stdout"), os.path.join(self.tmp, "stderr")
+        for path in (self.out, self.err):
             open(path, "w").close()
-        request = {"argv": argv, "env": env, "cwd": str(cwd), "nproc": nproc, "stdout": out, "stderr": err}
+        request = {"argv": argv, "env": env, "cwd": str(cwd), "nproc": nproc, "stdout": self.out, "stderr": self.err}
         server.stdin.write(json.dumps(request) + "\n")
         server.stdin.flush()
-        if not select.select([server.stdout], [], [], timeout)[0]:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-            raise subprocess.TimeoutExpired(argv, timeout)
-        line = server.stdout.readline()
+        self.pids = self._reply(120)["pids"]
+
+    def _reply(self, timeout):
+        if not select.select([self.server.stdout], [], [], timeout)[0]:
+            os.killpg(self.server.pid, signal.SIGKILL)
+            self.server.wait()
+            raise subprocess.TimeoutExpired(self.argv, timeout)
+        line = self.server.stdout.readline()
         if not line:
             with open(_server["log"]) as f:
-                raise RuntimeError(f"the fork server exited {server.wait()}:\n{f.read()[-3000:]}")
-        with open(out) as f, open(err) as g:
-            return subprocess.CompletedProcess(argv, json.loads(line)["returncode"], f.read(), g.read())
+                raise RuntimeError(f"the fork server exited {self.server.wait()}:\n{f.read()[-3000:]}")
+        return json.loads(line)
+
+    def poll(self):
+        if self.returncode is None and select.select([self.server.stdout], [], [], 0)[0]:
+            self.returncode = self._reply(0)["returncode"]
+        return self.returncode
+
+    def communicate(self, timeout=None):
+        """(stdout, stderr) of every rank, once the run has ended."""
+        if self.returncode is None:
+            self.returncode = self._reply(timeout)["returncode"]
+        with open(self.out) as f, open(self.err) as g:
+            out, err = f.read(), g.read()
+        shutil.rmtree(self.tmp)
+        return out, err
 
 
 def run_dir(output_dir) -> str:

@@ -15,11 +15,10 @@ import pytest
 import torch
 from launch import (
     COMMON,
-    ROOT,
+    ForkedRun,
     checkpoints,
     fault_flags,
     final_weights,
-    plain_command,
     read_metrics,
     run_dir,
     run_script,
@@ -100,14 +99,9 @@ def wait_for_step(path_glob, step, proc, timeout=300):
 def test_preemption_signal_checkpoints_and_exits_cleanly(testbed, tmp_path, script, nproc, sig):
     """A scheduler's SIGTERM (here to one rank only) or a Ctrl-C: every rank stops after the step, one checkpoint."""
     argv, env = script_argv(script, fault_flags(testbed, script, **{"total-steps": 1000, "save-every": 0}), tmp_path)
-    cmd = plain_command(argv, env, nproc)  # torchrun's own process tree: a rank is a child of the launcher
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = ForkedRun(argv, env, nproc)
     path = wait_for_step(f"{tmp_path}/*/metrics.jsonl", 1, proc)
-    if nproc:  # one of the ranks, the children of the launcher
-        ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        os.kill(int(ranks[-1]), sig)
-    else:
-        proc.send_signal(sig)
+    os.kill(proc.pids[-1], sig)  # the last rank, or the one process
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     stopped = len(read_metrics(path))
