@@ -117,7 +117,7 @@ class ForkedRun:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
-                text=True,
+                bufsize=0,  # unbuffered: a reply read ahead into a buffer would hide from select()
                 start_new_session=True,  # its own process group: a timeout kills the server and every run it forked
             )
             _server.update(proc=server, log=log.name)
@@ -129,8 +129,7 @@ class ForkedRun:
         for path in (self.out, self.err):
             open(path, "w").close()
         request = {"argv": argv, "env": env, "cwd": str(cwd), "nproc": nproc, "stdout": self.out, "stderr": self.err}
-        server.stdin.write(json.dumps(request) + "\n")
-        server.stdin.flush()
+        server.stdin.write(json.dumps(request).encode() + b"\n")
         self.pids = self._reply(120)["pids"]
 
     def _reply(self, timeout):
