@@ -207,17 +207,19 @@ def _script_problems(source: str, split: str | None, args) -> list[dict]:
         raise SystemExit(f"error: {e}")
 
 
-def _prompt_ids(problem: dict, tokenizer) -> list[int]:
-    return tokenizer(format_prompt(problem.get("messages", problem["problem"]), tokenizer), add_special_tokens=False)[
-        "input_ids"
-    ]
+def _prompt_ids(problems: list, tokenizer) -> list[list[int]]:
+    """Each problem's prompt token ids, in one batch call (a fast tokenizer encodes a batch in one pass: on the
+    testbed's 4000 prompts 0.36 CPU-s instead of 0.65 one by one, the same ids)."""
+    texts = [format_prompt(p.get("messages", p["problem"]), tokenizer) for p in problems]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
 
 def tokenized_prompts(source: str, split: str | None, tokenizer, args, limit: int | None = None):
     """([(prompt token ids, answer)], number dropped): the first `limit` problems of a source as prompts, those longer
     than --max-prompt-length tokens dropped and counted, never truncated (args: the script's --question-field,
     --answer-field, --max-prompt-length). Bad input is a one-line "error:" exit."""
-    rows = [(_prompt_ids(p, tokenizer), p["answer"]) for p in _script_problems(source, split, args)[:limit]]
+    problems = _script_problems(source, split, args)[:limit]
+    rows = list(zip(_prompt_ids(problems, tokenizer), [p["answer"] for p in problems]))
     kept = [r for r in rows if len(r[0]) <= args.max_prompt_length]
     if not kept:
         raise SystemExit(f"error: {source}: every prompt is longer than --max-prompt-length {args.max_prompt_length}")
@@ -239,7 +241,8 @@ def eval_prompts(sources, tokenizer, args, train_data=()) -> list[tuple[list[int
         for name, members in sets.items():
             unique = name if name not in names else f"{name}_{len(names)}"  # two files of one stem: both kept
             names.add(unique)
-            prompts = [(_prompt_ids(p, tokenizer), p["answer"], unique) for p in members[: args.eval_num_prompts]]
+            members = members[: args.eval_num_prompts]
+            prompts = [(ids, p["answer"], unique) for ids, p in zip(_prompt_ids(members, tokenizer), members)]
             rows += [r for r in prompts if len(r[0]) <= args.max_prompt_length]
         if len(rows) == before:
             raise SystemExit(
