@@ -6,8 +6,9 @@ A 2-step testbed run costs ~3.5 CPU-s instead of ~16 (with vLLM), ~1.5 instead o
 import time (a vLLM log level, a PYTHONPATH) and the tests of the command line itself launch a plain interpreter.
 
 Several ranks are forked as DeepSpeed's own launcher starts them (deepspeed/launcher/launch.py: RANK, LOCAL_RANK,
-WORLD_SIZE, LOCAL_SIZE, MASTER_ADDR/PORT; rank 0 hosts the store; one rank failing stops the others and the run's exit
-status is 1). test_e2e's runs on one process and under ZeRO-3 launch `python` and torchrun, as users do.
+WORLD_SIZE, LOCAL_SIZE, MASTER_ADDR/PORT; rank 0 hosts the store; one rank failing stops the others); the run's exit
+status is then 1, as torchrun's (DeepSpeed's launcher passes on the failing rank's). test_e2e's runs on one process
+and under ZeRO-3 launch `python` and torchrun, as users do.
 
 Protocol, JSON lines on stdin/stdout: {"argv", "env", "cwd", "nproc", "stdout", "stderr"} (the two output files,
 appended to by every rank) -> {"pids"} once forked, {"returncode"} (as subprocess gives it: negative for a signal) once
@@ -24,7 +25,7 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GRACE = 30  # seconds between SIGTERM and SIGKILL for the ranks left when one fails (DeepSpeed's launcher: psutil's 3)
+GRACE = 30  # seconds between SIGTERM and SIGKILL for the ranks left when one fails, as in DeepSpeed's launcher
 
 
 def preload():
