@@ -67,9 +67,11 @@ def run_child(request, rank):
         runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as e:  # as the interpreter reports it (Python/pythonrun.c handle_system_exit)
-        code = e.code if e.code is None or isinstance(e.code, int) else 1
-        if code == 1 and not isinstance(e.code, int):
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:  # a message: printed, status 1
             print(e.code, file=sys.stderr)
+            code = 1
     except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
@@ -80,7 +82,7 @@ def run_child(request, rank):
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code or 0)
+    os._exit(code)
 
 
 def wait_all(pids):

@@ -70,14 +70,9 @@ def plain_command(argv, env, nproc=0) -> list:
 
 
 def run_script(script, flags, output_dir, nproc=0, timeout=600, check=True, fault=None, env=None, plain=False):
-    """Run `script` (see script_argv) and wait for it; return the finished process. The run is forked from this
-    worker's fork server (run_python), or with `plain` launched as plain_command's command line."""
+    """Run `script` (see script_argv) through run_python and wait for it; return the finished process."""
     argv, env = script_argv(script, flags, output_dir, fault, env)
-    if plain:
-        cmd = plain_command(argv, env, nproc)
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    else:
-        proc = run_python(argv, env, nproc, timeout)
+    proc = run_python(argv, env, nproc, timeout, plain=plain)
     if check and proc.returncode != 0:
         pytest.fail(f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
@@ -88,12 +83,12 @@ LAZY = {"MASTER_PORT", "WANDB_DIR", "WANDB_MODE", "WANDB_TAGS", "GRPO_FAULT", "G
 _server = {}
 
 
-def run_python(argv, env, nproc=0, timeout=600, cwd=ROOT) -> subprocess.CompletedProcess:
-    """`python *argv` in `env` (on `nproc` ranks when > 0), forked from this worker's fork server (ForkedRun). An
-    environment that differs from the CPU test environment in more than the LAZY keys runs a plain interpreter
-    (torchrun for ranks) instead."""
+def run_python(argv, env, nproc=0, timeout=600, cwd=ROOT, plain=False) -> subprocess.CompletedProcess:
+    """`python *argv` in `env` (on `nproc` ranks when > 0), forked from this worker's fork server (ForkedRun). With
+    `plain`, or an environment that differs from the CPU test environment in more than the LAZY keys, plain_command's
+    command line instead (a plain interpreter, torchrun for ranks)."""
     base = {**os.environ, **CPU_ENV}
-    if any(env.get(k) != base.get(k) for k in (env.keys() | base.keys()) - LAZY):
+    if plain or any(env.get(k) != base.get(k) for k in (env.keys() | base.keys()) - LAZY):
         cmd = plain_command(argv, env, nproc)
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     run = ForkedRun(argv, env, nproc, cwd)
@@ -101,29 +96,35 @@ def run_python(argv, env, nproc=0, timeout=600, cwd=ROOT) -> subprocess.Complete
     return subprocess.CompletedProcess(argv, run.returncode, out, err)
 
 
+def fork_server() -> subprocess.Popen:
+    """This worker's fork server, started in the CPU test environment if it is not running (its stderr in a log file
+    that a failure quotes)."""
+    server = _server.get("proc")
+    if server is None or server.poll() is not None:
+        log = tempfile.NamedTemporaryFile(prefix="forkserver-", suffix=".log", delete=False)
+        server = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "tests", "forkserver.py")],
+            cwd=ROOT,
+            env={**os.environ, **CPU_ENV},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            bufsize=0,  # unbuffered: a reply read ahead into a buffer would hide from select()
+            start_new_session=True,  # its own process group: a timeout kills the server and every run it forked
+        )
+        _server.update(proc=server, log=log.name)
+        atexit.register(os.remove, log.name)
+        atexit.register(server.kill)
+    return server
+
+
 class ForkedRun:
-    """`python *argv` on `nproc` ranks forked from this worker's fork server (tests/forkserver.py, started on first use
-    in the CPU test environment), with what the tests use of subprocess.Popen: poll(), communicate(), returncode;
-    `pids`: its processes (rank 0 first)."""
+    """`python *argv` on `nproc` ranks forked from this worker's fork server (tests/forkserver.py, fork_server), with
+    what the tests use of subprocess.Popen: poll(), communicate(), returncode; `pids`: its processes (rank 0 first)."""
 
     def __init__(self, argv, env, nproc=0, cwd=ROOT):
-        server = _server.get("proc")
-        if server is None or server.poll() is not None:
-            log = tempfile.NamedTemporaryFile(prefix="forkserver-", suffix=".log", delete=False)
-            server = subprocess.Popen(
-                [sys.executable, os.path.join(ROOT, "tests", "forkserver.py")],
-                cwd=ROOT,
-                env={**os.environ, **CPU_ENV},
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                bufsize=0,  # unbuffered: a reply read ahead into a buffer would hide from select()
-                start_new_session=True,  # its own process group: a timeout kills the server and every run it forked
-            )
-            _server.update(proc=server, log=log.name)
-            atexit.register(os.remove, log.name)
-            atexit.register(server.kill)
-        self.server, self.argv, self.returncode = server, argv, None
+        server = self.server = fork_server()
+        self.argv, self.returncode = argv, None
         self.tmp = tempfile.mkdtemp(prefix="forked-")
         self.out, self.err = os.path.join(self.tmp, "stdout"), os.path.join(self.tmp, "stderr")
         for path in (self.out, self.err):
