@@ -24,9 +24,9 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from utils import checkpoints, ops, run
-from utils.data import check_model, eval_prompts, load_tokenizer, step_prompt_indices, tokenized_prompts
-from utils.reward import default_grading_workers, grade_all
+from utils import checkpoints, ops, rollouts, run
+from utils.data import check_model, eval_prompts, load_tokenizer, tokenized_prompts
+from utils.reward import default_grading_workers
 
 
 @dataclass
@@ -104,6 +104,20 @@ class Args:
     step, 2: discard them: every parameter is pushed anew, and vLLM 0.33 saves and restores the model's buffers)"""
     vllm_tensor_parallel_size: int = 1
     """ranks per vLLM engine: each group of this many consecutive ranks shares one tensor-parallel engine"""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling (arXiv 2503.14476; verl's algorithm.filter_groups): groups whose metric does not vary
+    are dropped and more prompts generated until --num-prompts-per-step groups remain (utils/rollouts.py)"""
+    filter_groups_metric: Literal["acc", "reward"] = "acc"
+    """what must vary within a group: acc, the grader's verdict; reward, with the overlong penalty"""
+    max_gen_batches: int = 10
+    """at most this many generation rounds per step (0: no limit); then, where verl stops with an error, the first
+    dropped groups fill the step (zero advantage: plain GRPO's step) with a warning; rollout/filled_groups: how many"""
+    overlong_buffer_len: int = 0
+    """DAPO's overlong shaping: the reward falls linearly by up to --overlong-penalty-factor over the last this many
+    response tokens (verl's overlong_buffer.len; DAPO: 4096 of 20480); 0: off"""
+    overlong_penalty_factor: float = 1.0
+    """the overlong penalty at --max-response-length (verl's penalty_factor 1 on DAPO's +-1 rewards; ours are 1 / 0:
+    0.5 gives DAPO's advantages)"""
 
     # Optimisation
     learning_rate: float = 1e-6
@@ -510,8 +524,9 @@ if __name__ == "__main__":
     policy, scheduler, ref_policy = run.make_policy(args, on_gpu, grad_accum, updates_per_step)
     # method_state: what a method carries across steps (saved in checkpoints)
     start_step, method_state = 0, {"entropy_coef": args.entropy_coef, "last_entropy": None}
+    consumed = 0  # prompts of the seeded stream used so far
     if resumed:
-        start_step, method_state = checkpoints.load(policy, resumed, rank)
+        start_step, method_state, consumed = checkpoints.load(policy, resumed, rank)
     calls = run.head_calls(args)  # ZeRO-3: every rank calls the output head equally often (None: any number)
 
     synced = select is not None and args.entropy_bonus_tokens == "kept"  # AEnt: the bonus on the kept tokens
@@ -525,6 +540,10 @@ if __name__ == "__main__":
     sampler = make_sampler(args, rank, on_gpu, policy) if args.use_vllm else None
     tp_group = run.tensor_parallel_group(args.vllm_tensor_parallel_size)  # the ranks sharing this rank's sampler
     sleeping = on_gpu and sampler is not None and args.vllm_sleep_level > 0
+
+    def sample(prompts, seeds):  # G samples per prompt, called once per generation round
+        return generate(args, sampler, policy, tokenizer, prompts, seeds, G, False, tp_group)
+
     if sampler is not None and resumed:
         push_weights(policy, sampler, args.zero_stage)
     tracker = run.Tracker(args, run_dir, rank, start_step if resumed else None)  # metrics.jsonl, and wandb with --track
@@ -535,24 +554,17 @@ if __name__ == "__main__":
     progress = tqdm(range(start_step, args.total_steps), disable=rank != 0, initial=start_step, total=args.total_steps)
     for step in progress:
         step_start = time.time()
-        # ---- rollouts: G samples per prompt from the sampler ----
-        picked = step_prompt_indices(step, args, len(train_data), rank, world_size)
-        prompts = [train_data[i][0] for _, i in picked]
-        answers = [train_data[i][1] for _, i in picked]
-        # one seed per (step, prompt position), spaced by G since vLLM seeds sample k with seed + k
-        seeds = [args.seed * 10**9 + (step * args.num_prompts_per_step + j) * G for j, _ in picked]
-        samples = generate(args, sampler, policy, tokenizer, prompts, seeds, G, False, tp_group)
+        # ---- rollouts: G samples per prompt, graded; --filter-groups: more rounds until P groups whose rewards
+        # vary (DAPO's dynamic sampling, utils/rollouts.py) ----
+        rollout = rollouts.collect(args, consumed, train_data, tokenizer, sample, grading_workers, rank, world_size)
         if sleeping:
             sampler.sleep(level=args.vllm_sleep_level)
-        metrics = {"time/generation": time.time() - step_start}
+        prompts, samples, graded, rewards = rollout.prompts, rollout.samples, rollout.graded, rollout.rewards
+        consumed = rollout.consumed  # where the next step's prompts start in the stream (checkpointed)
+        metrics = {"time/generation": rollout.seconds[0], "time/reward": rollout.seconds[1]}
 
-        # ---- reward and advantages; the micro-batches, collated once ----
+        # ---- advantages; the micro-batches, collated once ----
         seq_prompts, responses = [prompts[k // G] for k in range(len(samples))], [s.ids for s in samples]
-        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        t0 = time.time()
-        graded = grade_all(texts, [answers[k // G] for k in range(len(texts))], grading_workers)
-        metrics["time/reward"] = time.time() - t0
-        rewards = torch.tensor([r for r, _ in graded], dtype=torch.float32).view(-1, G)
         advantages = group_advantages(rewards, args.scale_rewards).flatten()
         # each micro-batch's samples; mini-batch m is micro-batches minis[m]
         indices, minis = run.micro_batches([len(p) + len(r) for p, r in zip(seq_prompts, responses)], args, device)
@@ -656,6 +668,7 @@ if __name__ == "__main__":
         sums.update(seqs=len(samples), tokens=old_logp.numel(), prompt_tokens=sum(len(p) for p in seq_prompts))
         sums["positions"] = sum(batch["input_ids"].numel() for batch in batches)  # padding included
         sums.update(run.rollout_sums(rewards, graded, samples))
+        sums.update(rollout.sums)  # --filter-groups: the generation rounds
         sums["nll"] = -old_logp.sum().item()
         if sampler is not None:  # the sampler's log-probs against the trainer's, the correction's weights
             sums.update(run.sampler_sums(old_logp, torch.cat(sampler_logps), args.vllm_is_cap))
@@ -692,7 +705,7 @@ if __name__ == "__main__":
         trim_heap()
         stopping = stop.agreed(device)  # a signal to any rank stops them all
         if (args.save_every and (step + 1) % args.save_every == 0) or done or stopping:
-            checkpoints.save(policy, run_dir, step + 1, method_state, args, rank, final=done or stopping)
+            checkpoints.save(policy, run_dir, step + 1, method_state, args, rank, done or stopping, consumed)
         if stopping:
             break
 

@@ -6,7 +6,7 @@ disk is a warning for a periodic checkpoint, a one-line error for the final one)
     runs/<run>/checkpoints/step_0000050/
         state/...                 DeepSpeed's engine state (weights, optimizer, LR scheduler), one file per rank or so
         rng_rank<r>.pt            rank r's RNG states, and the step and method state it held
-        trainer_state.json        step, method_state, the run's args
+        trainer_state.json        step, method_state, consumed (prompts of the stream used), the run's args
         checksums.json            {file: [size, sha256]} of all of the above, written last
 """
 
@@ -102,13 +102,15 @@ def find_intact(path: str) -> str | None:
 
 
 def load(engine, checkpoint: dict, rank: int):
-    """Restore the DeepSpeed engine (weights, optimizer, scheduler) and this rank's RNG states; (step, method_state)."""
+    """Restore the DeepSpeed engine (weights, optimizer, scheduler) and this rank's RNG states; (step, method_state,
+    prompts consumed: where the next step's prompts start in the stream, step x P in checkpoints that predate it)."""
     engine.load_checkpoint(checkpoint["path"], tag="state")
     rng = torch.load(os.path.join(checkpoint["path"], f"rng_rank{rank}.pt"), weights_only=False)
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
-    return checkpoint["step"], checkpoint["method_state"]
+    consumed = checkpoint.get("consumed", checkpoint["step"] * checkpoint["args"]["num_prompts_per_step"])
+    return checkpoint["step"], checkpoint["method_state"], consumed
 
 
 def _size(directory: str) -> int:
@@ -131,17 +133,17 @@ def _write_problem(error: Exception, where: str) -> str:
     return f"{type(error).__name__} writing {where}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
-def save(engine, run_dir: str, step: int, method_state: dict, args, rank: int, final: bool = False) -> bool:
+def save(engine, run_dir: str, step: int, method_state: dict, args, rank: int, final=False, consumed=None) -> bool:
     """Write a checkpoint to a temporary directory with every file's size and sha256, then rename it: a crash never
     leaves a partial step_* dir; older checkpoints are rotated only after the new one is complete. Every rank must hold
-    the same step and method state (checked here).
+    the same step, method state and `consumed` (the prompts of the stream used: utils.rollouts) (checked here).
 
     It is checked first that the disk has room for it. A checkpoint that cannot be written (no room, or a write error
     such as a full disk) leaves no partial directory behind; a periodic one is skipped with a warning naming the
     cause, the newest complete checkpoint and how much room it needs, and training goes on (False); a final one
     (`final`: the last step or a stop signal) is the same message as a one-line error.
     """
-    state = json.dumps({"step": step, "method_state": method_state}, sort_keys=True)
+    state = json.dumps({"step": step, "method_state": method_state, "consumed": consumed}, sort_keys=True)
     states = _gather(state)
     if len(set(states)) > 1:
         raise RuntimeError(f"ranks disagree on the training state at step {step}: {sorted(set(states))}")
@@ -176,7 +178,7 @@ def save(engine, run_dir: str, step: int, method_state: dict, args, rank: int, f
     if problem is None and rank == 0:
         try:
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                json.dump({"step": step, "method_state": method_state, "args": asdict(args)}, f)
+                json.dump({"step": step, "method_state": method_state, "consumed": consumed, "args": asdict(args)}, f)
         except OSError as e:
             problem = _write_problem(e, tmp)
     problem = _first_problem(problem)

@@ -1,6 +1,7 @@
 """Load math problems from the hub or local files and turn them into prompts."""
 
 import ast
+import functools
 import os
 import re
 import warnings
@@ -255,19 +256,28 @@ def eval_prompts(sources, tokenizer, args, train_data=()) -> list[tuple[list[int
     return rows
 
 
-def step_prompt_indices(step: int, args, n_prompts: int, rank: int, world_size: int) -> list:
-    """(global position in the step's batch, dataset index) of this rank's prompts at `step`.
+def stream_index(position: int, seed: int, n_prompts: int) -> int:
+    """The dataset index at `position` of the prompt stream: a seeded permutation per epoch, a pure function of the
+    position (so resume needs only the position, and the step's first position is all a checkpoint records)."""
+    epoch, offset = divmod(position, n_prompts)
+    return int(_epoch_order(seed, epoch, n_prompts)[offset])
 
-    The data order is a seeded permutation per epoch, a pure function of the step (so resume needs no state).
-    Mini-batch m holds positions [m P/M, (m+1) P/M) of the step's P prompts whatever the world size; each rank
-    generates and trains on its slice of every mini-batch, so the optimizer sees the same samples on any layout.
-    """
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, n_prompts: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n_prompts)
+
+
+def rank_slots(args, rank: int, world_size: int) -> list:
+    """This rank's positions in a step's batch of P prompts: its slice of every mini-batch m, whose positions are
+    [m P/M, (m+1) P/M) whatever the world size, so the optimizer sees the same samples on any layout."""
     P, M = args.num_prompts_per_step, args.num_mini_batches
     per_rank = P // (M * world_size)
-    picked = []
-    for m in range(M):
-        for j in range(m * P // M + rank * per_rank, m * P // M + (rank + 1) * per_rank):
-            epoch, offset = divmod(step * P + j, n_prompts)
-            order = np.random.default_rng([args.seed, epoch]).permutation(n_prompts)
-            picked.append((j, int(order[offset])))
-    return picked
+    return [j for m in range(M) for j in range(m * P // M + rank * per_rank, m * P // M + (rank + 1) * per_rank)]
+
+
+def step_prompt_indices(step: int, args, n_prompts: int, rank: int, world_size: int, first: int | None = None) -> list:
+    """(global position in the step's batch, dataset index) of this rank's prompts at `step`, whose batch starts at
+    stream position `first` (default step x P: every step takes P prompts, as without --filter-groups)."""
+    first = step * args.num_prompts_per_step if first is None else first
+    return [(j, stream_index(first + j, args.seed, n_prompts)) for j in rank_slots(args, rank, world_size)]

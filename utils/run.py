@@ -165,6 +165,15 @@ def check_args(args, world_size: int, method_checks=()) -> None:
         0 <= args.top_entropy_quantile <= 1,
         f"--top-entropy-quantile must be in [0, 1] (got {args.top_entropy_quantile}): the fraction of tokens trained",
     )
+    check(args.max_gen_batches >= 0, f"--max-gen-batches must be >= 0 (0: no limit; got {args.max_gen_batches})")
+    check(
+        0 <= args.overlong_buffer_len < args.max_response_length,
+        f"--overlong-buffer-len must be in [0, --max-response-length) (got {args.overlong_buffer_len})",
+    )
+    check(
+        args.overlong_penalty_factor >= 0,
+        f"--overlong-penalty-factor must be >= 0 (got {args.overlong_penalty_factor})",
+    )
     for ok, message in method_checks:
         check(ok, message)
 
@@ -294,6 +303,11 @@ def step_metrics(g: dict, args, grad_norms: list, skipped: int, scheduler, step_
         metrics["rollout/is_clipped_frac"] = g["is_clipped"] / g["tokens"]
     if args.kl_coef > 0:  # the reference policy
         metrics["losses/ref_kl"] = g["ref_kl"] / updates
+    if args.filter_groups:  # dynamic sampling: generation rounds, groups generated and dropped, the step filled
+        metrics["rollout/gen_rounds"] = g["gen_rounds"]
+        metrics["rollout/generated_groups"] = g["generated_groups"]
+        metrics["rollout/filtered_frac"] = g["filtered"] / g["generated_groups"]
+        metrics["rollout/filled_groups"] = g["filled"]
     if args.top_entropy_quantile < 1:  # the 80/20 rule's mean threshold, the share of tokens trained, their entropy
         metrics["entropy/mask_threshold"] = g["threshold"] / g["selections"]
         metrics["entropy/kept_frac"] = g["kept"] / (g["tokens"] * args.num_epochs)
@@ -307,7 +321,7 @@ def rollout_sums(rewards: torch.Tensor, graded: list, samples: list) -> dict:
     statuses = [status for _, status in graded]
     return {
         "reward": rewards.sum().item(),
-        "correct": (rewards == 1).sum().item(),
+        "correct": sum(r == 1 for r, _ in graded),  # the grader's verdict, before any shaping
         "groups": rewards.shape[0],
         "boxed": sum(s != "no_box" for s in statuses),
         "failures": sum(s in ("timeout", "error") for s in statuses),
