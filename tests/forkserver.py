@@ -42,7 +42,7 @@ def preload():
     from vllm import LLM  # noqa: F401
 
     import utils.run  # noqa: F401
-    from utils import checkpoints, data, ops, reward  # noqa: F401
+    from utils import checkpoints, data, ops, reward, rollouts  # noqa: F401
 
     del sys.path[0]
 

@@ -11,6 +11,7 @@ from launch import read_metrics, run_dir, run_script, script_flags, trainer_stat
 
 import grpo_aent as ga
 from utils import ops
+from utils.data import step_prompt_indices
 
 
 def definition(logits, clamp_p):
@@ -220,8 +221,8 @@ def test_one_coefficient_on_every_rank_stepped_from_the_world_mean(testbed, stra
     with open(testbed.train_file) as f:
         n_prompts = sum(1 for _ in f)
     for step in range(4):
-        assert {i for _, i in ga.step_prompt_indices(step, args, n_prompts, 0, 2)}.isdisjoint(
-            i for _, i in ga.step_prompt_indices(step, args, n_prompts, 1, 2)
+        assert {i for _, i in step_prompt_indices(step, args, n_prompts, 0, 2)}.isdisjoint(
+            i for _, i in step_prompt_indices(step, args, n_prompts, 1, 2)
         )
     # ...and hold the same coefficient at every step
     assert all(r["entropy/coef_rank_spread"] == 0.0 for r in rows)

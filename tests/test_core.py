@@ -5,6 +5,7 @@ import torch
 
 import grpo_vanilla as gv
 from utils import run
+from utils.data import step_prompt_indices
 
 
 def test_group_advantages_normalise_within_groups():
@@ -113,13 +114,13 @@ def test_collate_masks_response_tokens_only():
 
 def test_step_prompt_indices_give_the_same_mini_batches_on_any_world_size():
     args = gv.Args(num_prompts_per_step=8, num_mini_batches=2, seed=3)
-    one = gv.step_prompt_indices(5, args, 30, 0, 1)
-    two = [gv.step_prompt_indices(5, args, 30, r, 2) for r in range(2)]
+    one = step_prompt_indices(5, args, 30, 0, 1)
+    two = [step_prompt_indices(5, args, 30, r, 2) for r in range(2)]
     # mini-batch m on one rank == the union of the two ranks' slices of mini-batch m
     assert one[:4] == two[0][:2] + two[1][:2]
     assert one[4:] == two[0][2:] + two[1][2:]
     # the data order is a permutation per epoch: 30 prompts are all seen once in the first 30 positions
-    seen = [i for s in range(4) for _, i in gv.step_prompt_indices(s, args, 30, 0, 1)][:30]
+    seen = [i for s in range(4) for _, i in step_prompt_indices(s, args, 30, 0, 1)][:30]
     assert sorted(seen) == list(range(30))
 
 

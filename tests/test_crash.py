@@ -11,24 +11,9 @@ import pytest
 import torch
 from launch import COMMON, checkpoints, fault_flags, final_weights, read_metrics, run_dir, run_script, trainer_state
 
-# the tests sharing its module-scoped runs (vanilla's uninterrupted run): on one xdist worker (make test: --dist
-# loadgroup), the others anywhere
+# the tests sharing vanilla's uninterrupted run (conftest.py straight; test_dynamic_sampling's too): on one xdist
+# worker (make test: --dist loadgroup), the others anywhere
 SHARED = pytest.mark.xdist_group("test_crash")
-
-
-@pytest.fixture(scope="module")
-def straight(testbed, tmp_path_factory):
-    """The uninterrupted run of a script, made once per module."""
-    runs = {}
-
-    def get(script):
-        if script not in runs:
-            out = tmp_path_factory.mktemp(script[:-3])
-            run_script(script, fault_flags(testbed, script), out, nproc=0)
-            runs[script] = run_dir(out)
-        return runs[script]
-
-    return get
 
 
 def assert_same_run(a, b):
