@@ -164,14 +164,17 @@ class Args:
     keep their policy-gradient term (a method's own loss terms too; the reference KL stays on every token); 1: off
     (paper: 0.2)"""
     entropy_mask_scope: Literal["global", "microbatch"] = "global"
-    """global (ours): one threshold per optimizer mini-batch over its tokens on all ranks, from the sampling policy's
-    entropies (the log-prob pass: no extra forward, the same tokens in every epoch and whatever the micro-batches,
-    packing and world size); microbatch: TRL 1.16's top_entropy_quantile, the current forward's entropies of each
+    """global (ours): one threshold per optimizer mini-batch over its tokens on all ranks, whatever the micro-batches,
+    packing and world size; microbatch: TRL 1.16's top_entropy_quantile, the current forward's entropies of each
     micro-batch over all ranks"""
+    entropy_mask_source: Literal["sampling", "current"] = "sampling"
+    """global scope: whose entropies decide: the sampling policy's (the log-prob pass: no extra forward, the same
+    tokens in every epoch) or the current policy's, as the paper (its section 2.1) and TRL and the authors' code (one
+    no-grad forward per mini-batch after the first; the first mini-batch's are the sampling policy's anyway)"""
     entropy_mask_norm: Literal["all", "kept"] = "all"
-    """the policy-gradient term's denominator counts every response token (TRL, the paper's formula) or only the kept
-    ones (the authors' verl code): 'kept' multiplies it by tokens / kept tokens of the selection set (exact for
-    token-mean)"""
+    """the policy-gradient term's denominator counts every response token (TRL's choice) or only the kept ones (the
+    paper's Eq. 6 and the authors' verl code): 'kept' multiplies it by tokens / kept tokens of the selection set, a
+    mean over the kept tokens of the mini-batch of all ranks (theirs: of each micro-batch on each rank)"""
     logprob_chunk_size: int = 1024
     """tokens per chunk of the vocabulary projection; bounds the [tokens, vocab] temporaries"""
 
@@ -198,11 +201,17 @@ class Args:
     """L2 pull of the coefficient towards coef_0 (the paper's optional term; 0: none, as in the reference code)"""
     coef_rule: Literal["box", "target"] = "box"
     """box: AEnt's rule above (next_entropy_coef); target: Skywork-OR1's / TRL 1.16's (next_target_coef), with
-    --clamp-p 0 their plain entropy bonus (their defaults: README.md, "Token selection by entropy ...")"""
+    --clamp-p 0 their plain entropy bonus; each one's exact command line: README.md, "Token selection by entropy"""
     entropy_target: float = 0.2
     """target rule: the entropy (nats) the coefficient steers towards (TRL, Skywork-OR1: 0.2)"""
     entropy_coef_delta: float = 0.005
-    """target rule: the coefficient's step per training step (TRL: 0.005; Skywork-OR1's scripts: 1e-4)"""
+    """target rule: the coefficient's step per --coef-cadence (TRL: 0.005; Skywork-OR1's scripts: 1e-4)"""
+    coef_cadence: Literal["step", "update"] = "step"
+    """target rule: the coefficient steps once per training step (Skywork-OR1), or after every optimizer update from
+    that update's entropy over all ranks, each update's bonus gated by the one before (TRL 1.16)"""
+    coef_signal: Literal["bonus", "nll"] = "bonus"
+    """target rule: the entropy it sees: the bonus's (the training forward's clamped entropy of the bonus tokens;
+    --clamp-p 0: the full entropy, TRL's), or the sampled tokens' NLL under the sampling policy (Skywork-OR1's)"""
     entropy_bonus_tokens: Literal["kept", "all"] = "kept"
     """rho < 1: the bonus (a mean) and the entropy the coefficient sees are over the kept tokens (TRL's sync) or all"""
 
@@ -241,6 +250,12 @@ def validate_args(args: Args, world_size: int) -> None:
         (args.entropy_low <= args.entropy_high, "--entropy-low must be <= --entropy-high"),
         (0 <= args.entropy_coef_min <= args.entropy_coef_max, "--entropy-coef-min must be in [0, --entropy-coef-max]"),
         *[(getattr(args, f) >= 0, f"--{f.replace('_', '-')} must be >= 0 (got {getattr(args, f)})") for f in steps],
+        (args.coef_rule == "target" or args.coef_cadence == "step", "--coef-cadence update needs --coef-rule target"),
+        (args.coef_rule == "target" or args.coef_signal == "bonus", "--coef-signal nll needs --coef-rule target"),
+        (
+            args.coef_cadence == "step" or args.coef_signal == "bonus",
+            "--coef-signal nll is one value per step: it needs --coef-cadence step",
+        ),
     ]
     run.check_args(args, world_size, method_checks)
 
@@ -295,13 +310,15 @@ def next_entropy_coef(coef, entropy, *, low, high, lr, reg, init_coef, coef_min,
 
 
 def next_target_coef(coef, entropy, *, target, delta, coef_min, coef_max) -> float:
-    """Skywork-OR1's (arXiv 2505.22312) and TRL 1.16's coefficient step, once per training step: min(coef + delta,
-    coef_max) if H <= target, else max(coef - delta, coef_min); its bonus is gated (target_gate)."""
+    """Skywork-OR1's (arXiv 2505.22312) and TRL 1.16's coefficient step, once per training step (Skywork) or optimizer
+    update (TRL): min(coef + delta, coef_max) if H <= target, else max(coef - delta, coef_min); its bonus is gated
+    (target_gate)."""
     return min(coef + delta, coef_max) if entropy <= target else max(coef - delta, coef_min)
 
 
 def target_gate(last_entropy, target: float) -> bool:
-    """The target rule's gate: a bonus only after a step whose entropy was <= target (none before the first one)."""
+    """The target rule's gate: a bonus only after a step (or update) whose entropy was <= target (none before the
+    first one)."""
     return last_entropy is not None and last_entropy <= target
 
 
@@ -530,6 +547,7 @@ if __name__ == "__main__":
     calls = run.head_calls(args)  # ZeRO-3: every rank calls the output head equally often (None: any number)
 
     synced = select is not None and args.entropy_bonus_tokens == "kept"  # AEnt: the bonus on the kept tokens
+    limits = dict(coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)  # AEnt: the coefficient's range
 
     def clamped(logits):  # AEnt: the clamped entropy of each token, from the log-prob kernel's chunk of logits
         return clamped_entropy(logits.float() / args.temperature, args.clamp_p)
@@ -602,10 +620,15 @@ if __name__ == "__main__":
                 totals = run.all_reduce_sums({"tokens": mb_lengths.sum().item(), "seqs": len(mb_lengths)}, device)
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
                 if select == "global":  # 80/20 rule: one threshold over the mini-batch of all ranks
-                    selection = entropy_selection({i: entropies[i] for i in mb}, args.top_entropy_quantile)
+                    decide = {i: entropies[i] for i in mb}  # the sampling policy's: the current one's until an update
+                    if args.entropy_mask_source == "current" and (epoch or m):
+                        with torch.no_grad():
+                            decide = {i: logprobs(policy, batches[i], with_entropy=True)[1] for i in mb}
+                    selection = entropy_selection(decide, args.top_entropy_quantile)
                 coef_state = method_state["entropy_coef"]  # AEnt: the step's coefficient, the same on every rank
                 gate = args.coef_rule == "box" or target_gate(method_state.get("last_entropy"), args.entropy_target)
                 coef = coef_state if gate else 0.0
+                window = {k: sums[k] + 0 for k in ("clamped_train", "train_tokens")}  # AEnt: copies: sums grow in place
                 for i in mb:
                     batch = batches[i]
                     logp, entropy, clamped_h = logprobs(policy, batch, with_entropy=train_entropy, extra=clamped)
@@ -649,6 +672,13 @@ if __name__ == "__main__":
                         sums["loss"] += loss.detach().double()
                         sums["clipped"] += (clipped.float() * weights).sum().double()
                         sums["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * weights).sum().double()
+                if args.coef_cadence == "update":  # AEnt, TRL 1.16: the update's world entropy steps the coefficient
+                    window = run.all_reduce_sums({k: sums[k] - v for k, v in window.items()}, device)
+                    h = window["clamped_train"] / window["train_tokens"] if window["train_tokens"] else math.nan
+                    if args.adaptive_coef and math.isfinite(h):
+                        target = dict(target=args.entropy_target, delta=args.entropy_coef_delta)
+                        method_state["entropy_coef"] = next_target_coef(coef_state, h, **target, **limits)
+                        method_state["last_entropy"] = h  # the next update's gate
                 if policy.was_step_applied():
                     grad_norms.append(float(policy.get_global_grad_norm()))  # already global: the same on every rank
                 else:  # a non-finite gradient on any rank: DeepSpeed skipped this update on every rank
@@ -684,16 +714,16 @@ if __name__ == "__main__":
         metrics.update({"entropy/coef_applied": coef, "entropy/bonus": g["bonus"] / updates_per_step})
         tracker.log(metrics, step + 1)
         # AEnt: same inputs on every rank, same value, no broadcast; a non-finite entropy (skipped updates) keeps it
-        h = metrics["entropy/clamped_train"]
-        limits = dict(coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)
-        if args.adaptive_coef and math.isfinite(h) and args.coef_rule == "target":
+        h = metrics["entropy/sampled_nll" if args.coef_signal == "nll" else "entropy/clamped_train"]
+        per_step = math.isfinite(h) and args.coef_cadence == "step"  # else stepped after every update above
+        if args.adaptive_coef and per_step and args.coef_rule == "target":
             target = dict(target=args.entropy_target, delta=args.entropy_coef_delta)
             method_state["entropy_coef"] = next_target_coef(coef_state, h, **target, **limits)
-        elif args.adaptive_coef and math.isfinite(h) and step >= args.entropy_coef_warmup:  # the box rule
+        elif args.adaptive_coef and per_step and step >= args.entropy_coef_warmup:  # the box rule
             box = dict(low=args.entropy_low, high=args.entropy_high, lr=args.entropy_coef_lr, reg=args.entropy_coef_reg)
             box["init_coef"] = args.entropy_coef
             method_state["entropy_coef"] = next_entropy_coef(coef_state, h, **box, **limits)
-        if math.isfinite(h):
+        if per_step:
             method_state["last_entropy"] = h  # the target rule's gate in the next step
         progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", entropy=f"{metrics['entropy/full']:.3f}")
 

@@ -165,14 +165,17 @@ class Args:
     keep their policy-gradient term (a method's own loss terms too; the reference KL stays on every token); 1: off
     (paper: 0.2)"""
     entropy_mask_scope: Literal["global", "microbatch"] = "global"
-    """global (ours): one threshold per optimizer mini-batch over its tokens on all ranks, from the sampling policy's
-    entropies (the log-prob pass: no extra forward, the same tokens in every epoch and whatever the micro-batches,
-    packing and world size); microbatch: TRL 1.16's top_entropy_quantile, the current forward's entropies of each
+    """global (ours): one threshold per optimizer mini-batch over its tokens on all ranks, whatever the micro-batches,
+    packing and world size; microbatch: TRL 1.16's top_entropy_quantile, the current forward's entropies of each
     micro-batch over all ranks"""
+    entropy_mask_source: Literal["sampling", "current"] = "sampling"
+    """global scope: whose entropies decide: the sampling policy's (the log-prob pass: no extra forward, the same
+    tokens in every epoch) or the current policy's, as the paper (its section 2.1) and TRL and the authors' code (one
+    no-grad forward per mini-batch after the first; the first mini-batch's are the sampling policy's anyway)"""
     entropy_mask_norm: Literal["all", "kept"] = "all"
-    """the policy-gradient term's denominator counts every response token (TRL, the paper's formula) or only the kept
-    ones (the authors' verl code): 'kept' multiplies it by tokens / kept tokens of the selection set (exact for
-    token-mean)"""
+    """the policy-gradient term's denominator counts every response token (TRL's choice) or only the kept ones (the
+    paper's Eq. 6 and the authors' verl code): 'kept' multiplies it by tokens / kept tokens of the selection set, a
+    mean over the kept tokens of the mini-batch of all ranks (theirs: of each micro-batch on each rank)"""
     logprob_chunk_size: int = 1024
     """tokens per chunk of the vocabulary projection; bounds the [tokens, vocab] temporaries"""
 
@@ -611,7 +614,11 @@ if __name__ == "__main__":
                 totals = run.all_reduce_sums({"tokens": mb_lengths.sum().item(), "seqs": len(mb_lengths)}, device)
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
                 if select == "global":  # 80/20 rule: one threshold over the mini-batch of all ranks
-                    selection = entropy_selection({i: entropies[i] for i in mb}, args.top_entropy_quantile)
+                    decide = {i: entropies[i] for i in mb}  # the sampling policy's: the current one's until an update
+                    if args.entropy_mask_source == "current" and (epoch or m):
+                        with torch.no_grad():
+                            decide = {i: logprobs(policy, batches[i], with_entropy=True)[1] for i in mb}
+                    selection = entropy_selection(decide, args.top_entropy_quantile)
                 generator = selection_generator(args, step, epoch, m, rank)  # Clip-Cov: this mini-batch's draw
                 if args.cov_scope == "global":  # one selection over the mini-batch of all ranks, before its updates
                     t1 = time.time()

@@ -4,8 +4,8 @@ Cheng et al. 2025, "Reasoning with Exploration: An Entropy Perspective" (arXiv 2
 grpo_vanilla.py, one line in the loss (entropy_advantages):
 1. Per token, A' = A + min(alpha H_t, |A| / kappa), H_t the entropy of the policy in the training forward, detached:
    the bonus is a reward for exploratory (high-entropy) tokens, never a gradient through H.
-2. The bound |A| / kappa (kappa >= 1) keeps A' of A's sign: a wrong response's tokens stay discouraged, only less
-   so where the policy was unsure; a group whose rewards are all equal (A = 0) gets no bonus.
+2. The bound |A| / kappa (kappa > 1, the paper's Eq. 5) keeps A' of A's sign: a wrong response's tokens stay
+   discouraged, only less so where the policy was unsure; a group whose rewards are all equal (A = 0) gets no bonus.
 
     deepspeed --num_gpus 8 grpo_entadv.py --model-name-or-path Qwen/Qwen2.5-Math-1.5B --dataset <train file>
 """
@@ -165,22 +165,27 @@ class Args:
     keep their policy-gradient term (a method's own loss terms too; the reference KL stays on every token); 1: off
     (paper: 0.2)"""
     entropy_mask_scope: Literal["global", "microbatch"] = "global"
-    """global (ours): one threshold per optimizer mini-batch over its tokens on all ranks, from the sampling policy's
-    entropies (the log-prob pass: no extra forward, the same tokens in every epoch and whatever the micro-batches,
-    packing and world size); microbatch: TRL 1.16's top_entropy_quantile, the current forward's entropies of each
+    """global (ours): one threshold per optimizer mini-batch over its tokens on all ranks, whatever the micro-batches,
+    packing and world size; microbatch: TRL 1.16's top_entropy_quantile, the current forward's entropies of each
     micro-batch over all ranks"""
+    entropy_mask_source: Literal["sampling", "current"] = "sampling"
+    """global scope: whose entropies decide: the sampling policy's (the log-prob pass: no extra forward, the same
+    tokens in every epoch) or the current policy's, as the paper (its section 2.1) and TRL and the authors' code (one
+    no-grad forward per mini-batch after the first; the first mini-batch's are the sampling policy's anyway)"""
     entropy_mask_norm: Literal["all", "kept"] = "all"
-    """the policy-gradient term's denominator counts every response token (TRL, the paper's formula) or only the kept
-    ones (the authors' verl code): 'kept' multiplies it by tokens / kept tokens of the selection set (exact for
-    token-mean)"""
+    """the policy-gradient term's denominator counts every response token (TRL's choice) or only the kept ones (the
+    paper's Eq. 6 and the authors' verl code): 'kept' multiplies it by tokens / kept tokens of the selection set, a
+    mean over the kept tokens of the mini-batch of all ranks (theirs: of each micro-batch on each rank)"""
     logprob_chunk_size: int = 1024
     """tokens per chunk of the vocabulary projection; bounds the [tokens, vocab] temporaries"""
 
     # Entropy-based advantage (Cheng et al. 2025, arXiv 2506.14758)
     entadv_alpha: float = 0.4
-    """alpha: the bonus per nat of entropy, in advantage units (paper: 0.4 with GRPO, 0.1 with PPO); 0: vanilla"""
+    """alpha: the bonus per nat of entropy, in advantage units (paper, section 4: 0.4 with GRPO, 0.1 with PPO); 0:
+    vanilla"""
     entadv_kappa: float = 2.0
-    """kappa: the bonus is at most |A| / kappa (paper: 2); >= 1, so that it never flips an advantage's sign"""
+    """kappa: the bonus is at most |A| / kappa (paper, section 4: 2 throughout); > 1 as its Eq. 5 requires, so that the
+    shaped advantage keeps A's sign and, for A < 0, stays negative"""
 
     # DeepSpeed
     zero_stage: int = 2
@@ -213,7 +218,10 @@ def validate_args(args: Args, world_size: int) -> None:
     """Reject impossible settings at start with one line naming the flag (the shared flags: utils.run.check_args)."""
     method_checks = [
         (args.entadv_alpha >= 0, f"--entadv-alpha must be >= 0 (got {args.entadv_alpha})"),
-        (args.entadv_kappa >= 1, f"--entadv-kappa must be >= 1 (got {args.entadv_kappa}): below 1 A' can flip sign"),
+        (
+            args.entadv_kappa > 1,
+            f"--entadv-kappa must be > 1 (got {args.entadv_kappa}): the paper's Eq. 5 (A' keeps A's sign)",
+        ),
     ]
     run.check_args(args, world_size, method_checks)
 
@@ -276,7 +284,7 @@ def entropy_selection(entropies: dict, rho: float) -> Selection:
 # ---- Entropy-based advantage: the shaping term ----
 def entropy_advantages(advantages, entropy, alpha: float, kappa: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token, A' = A + psi with psi = min(alpha H, |A| / kappa), H detached here, and psi
-    itself. H >= 0, so psi >= 0: a positive A grows, a negative one moves towards 0 but, with kappa >= 1, never past."""
+    itself. H >= 0, so psi >= 0: a positive A grows, a negative one moves towards 0, with kappa > 1 never to it."""
     psi = torch.minimum(alpha * entropy.detach(), advantages.abs() / kappa)
     return advantages + psi, psi
 
@@ -559,7 +567,11 @@ if __name__ == "__main__":
                 totals = run.all_reduce_sums({"tokens": mb_lengths.sum().item(), "seqs": len(mb_lengths)}, device)
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
                 if select == "global":  # 80/20 rule: one threshold over the mini-batch of all ranks
-                    selection = entropy_selection({i: entropies[i] for i in mb}, args.top_entropy_quantile)
+                    decide = {i: entropies[i] for i in mb}  # the sampling policy's: the current one's until an update
+                    if args.entropy_mask_source == "current" and (epoch or m):
+                        with torch.no_grad():
+                            decide = {i: logprobs(policy, batches[i], with_entropy=True)[1] for i in mb}
+                    selection = entropy_selection(decide, args.top_entropy_quantile)
                 for i in mb:
                     batch = batches[i]
                     logp, entropy, _ = logprobs(policy, batch, with_entropy=True)

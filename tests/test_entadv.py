@@ -15,7 +15,7 @@ def published(a: float, h: float, alpha: float, kappa: float) -> float:
     return a + min(alpha * h, abs(a) / kappa)
 
 
-@pytest.mark.parametrize("alpha, kappa", [(0.4, 2.0), (0.1, 2.0), (1.0, 1.0), (0.0, 3.0)])
+@pytest.mark.parametrize("alpha, kappa", [(0.4, 2.0), (0.1, 2.0), (1.0, 1.5), (0.0, 3.0)])
 def test_shaping_is_the_published_formula(alpha, kappa):
     g = torch.Generator().manual_seed(0)
     adv = torch.cat([torch.randn(500, generator=g, dtype=torch.float64) * 2, torch.zeros(20, dtype=torch.float64)])
@@ -26,7 +26,7 @@ def test_shaping_is_the_published_formula(alpha, kappa):
     assert torch.equal(shaped, want)
     assert torch.allclose(psi, shaped - adv, rtol=0, atol=1e-15)
     assert (psi >= 0).all() and (psi[-20:] == 0).all()  # A = 0: no bonus
-    assert ((shaped * adv) >= 0).all() and ((shaped > 0) == (adv > 0)).all()  # kappa >= 1: never a sign flip
+    assert ((shaped * adv) >= 0).all() and ((shaped > 0) == (adv > 0)).all()  # kappa > 1: never a sign flip
     if alpha == 0:
         assert torch.equal(shaped, adv)
 
@@ -40,8 +40,9 @@ def test_entropy_is_detached():
 
 
 def test_bad_flags_are_refused():
-    with pytest.raises(SystemExit, match="--entadv-kappa must be >= 1"):
-        ge.validate_args(ge.Args(entadv_kappa=0.5), 1)
+    for kappa in (0.5, 1.0):  # the paper's Eq. 5: kappa > 1
+        with pytest.raises(SystemExit, match="--entadv-kappa must be > 1"):
+            ge.validate_args(ge.Args(entadv_kappa=kappa), 1)
     with pytest.raises(SystemExit, match="--entadv-alpha must be >= 0"):
         ge.validate_args(ge.Args(entadv_alpha=-0.1), 1)
 

@@ -238,3 +238,62 @@ def test_killed_target_rule_run_resumes_the_same_coefficient_trajectory(testbed,
         for key in ("entropy/coef", "entropy/coef_applied", "entropy/clamped_train", "entropy/kept_frac"):
             assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-9), (x["step"], key)
     assert trainer_state(resumed)["method_state"] == pytest.approx(trainer_state(path)["method_state"], rel=1e-5)
+
+
+def test_update_cadence_steps_the_coefficient_after_every_update_as_trl(testbed, tmp_path):
+    """--coef-cadence update (TRL 1.16): 2 updates per step, an entropy always below the target: the coefficient rises
+    by delta after every update, and the second update of step 1 already gets the bonus (gated by the first)."""
+    flags = {**TARGET, "total-steps": 3, "save-every": 0, "coef-cadence": "update", "entropy-target": 100.0}
+    flags.update({"entropy-coef-delta": 0.01, "entropy-coef-max": 1.0})
+    run_script("grpo_aent.py", script_flags(testbed, **flags), tmp_path, nproc=0)
+    rows, path = read_metrics(run_dir(tmp_path)), run_dir(tmp_path)
+    coefs, applied, final = trl_adaptive_entropy([0.0] * 6, 0.0, 0.01, 100.0, 0.0, 1.0)  # one entropy per update
+    assert [r["entropy/coef"] for r in rows] == pytest.approx(coefs[1::2], abs=1e-12)  # each step's last update
+    assert [r["entropy/coef_applied"] for r in rows] == pytest.approx(applied[1::2], abs=1e-12)
+    assert rows[0]["entropy/bonus"] > 0 and trainer_state(path)["method_state"]["entropy_coef"] == pytest.approx(final)
+
+
+def skywork_ent_controller(nlls, coef, delta, target, low, high):
+    """Skywork-OR1's EntController (verl/trainer/ppo/core_algos.py) as its trainer drives it: once per step, from the
+    step's NLL of the sampled tokens under the old policy; the bonus on (enabled) only after a step below the target
+    (enabled from the start: with their initial coefficient 0 the same as gated)."""
+    applied, coefs, enabled = [], [], 1
+    for h in nlls:
+        coefs.append(coef)
+        applied.append(coef * enabled)
+        coef = float(np.clip(coef + delta if h < target else coef - delta, low, high))
+        enabled = int(h < target)
+    return coefs, applied, coef
+
+
+def test_nll_signal_is_skywork_or1s_controller_replayed(testbed, tmp_path):
+    """The Skywork-OR1 command line (README.md), its target scaled to the testbed: the coefficient and the bonus's
+    gate follow Skywork's controller replayed on the logged NLL."""
+    flags = {"coef-rule": "target", "coef-signal": "nll", "clamp-p": 0.0, "entropy-coef": 0.0, "no-use-vllm": True}
+    flags.update({"entropy-target": 0.14, "entropy-coef-delta": 0.002, "entropy-coef-min": 0.0})
+    flags.update({"entropy-coef-max": 0.005, "total-steps": 5, "num-mini-batches": 1})
+    run_script("grpo_aent.py", script_flags(testbed, **flags), tmp_path, nproc=0)
+    rows = read_metrics(run_dir(tmp_path))
+    coefs, applied, final = skywork_ent_controller([r["entropy/sampled_nll"] for r in rows], 0.0, 0.002, 0.14, 0, 0.005)
+    assert [r["entropy/coef"] for r in rows] == pytest.approx(coefs, abs=1e-12)
+    assert [r["entropy/coef_applied"] for r in rows] == pytest.approx(applied, abs=1e-12)
+    assert trainer_state(run_dir(tmp_path))["method_state"]["entropy_coef"] == pytest.approx(final, abs=1e-12)
+
+
+def test_current_entropies_select_as_trls_scope_where_a_mini_batch_is_one_micro_batch(testbed, tmp_path):
+    """--entropy-mask-source current: the current policy's entropies, as TRL's scope, which sees the same set where a
+    mini-batch is one micro-batch (16 sequences, 1 rank): the same run; the sampling policy's differ after an update."""
+    flags = {**SELECT, **METHODS["grpo_vanilla.py"], "micro-batch-size": 16, "no-use-vllm": True, "total-steps": 2}
+    rows = {}
+    for name, extra in {
+        "trl": {"entropy-mask-scope": "microbatch"},
+        "current": {"entropy-mask-source": "current"},
+        "sampling": {},
+    }.items():
+        run_script("grpo_vanilla.py", script_flags(testbed, **flags, **extra), tmp_path / name, nproc=0)
+        rows[name] = read_metrics(run_dir(tmp_path / name))
+    for x, y in zip(rows["trl"], rows["current"]):
+        for key in x:
+            if not key.startswith(("time/", "charts/tokens_per_second")):
+                assert x[key] == pytest.approx(y[key], rel=1e-6, abs=1e-9), (x["step"], key)
+    assert rows["sampling"][0]["entropy/mask_threshold"] != rows["current"][0]["entropy/mask_threshold"]
