@@ -14,7 +14,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python benchmarks/compare.py` must find benchmarks/metrics.py
     sys.path.insert(0, ROOT)
 
-from benchmarks.metrics import AENT, COV, EVAL, EVAL_SAMPLED, REWARD, SELECTION, label, own_metrics  # noqa: E402
+from benchmarks.metrics import (  # noqa: E402
+    AENT,
+    COV,
+    EVAL,
+    EVAL_SAMPLED,
+    REWARD,
+    SAMPLING,
+    SELECTION,
+    label,
+    own_metrics,
+)
 
 
 @dataclass
@@ -361,6 +371,7 @@ if __name__ == "__main__":
         "aent.png": [(k, label(k)) for k in AENT],
         "cov.png": [(k, label(k)) for k in COV],  # panels no run logged are left out
         "selection.png": [(k, label(k)) for k in SELECTION],
+        "sampling.png": [(k, label(k)) for k in SAMPLING],
     }
     for namespace, keys in own_metrics({k for r in runs for row in r["rows"] for k in row}).items():
         figures[f"{namespace}.png"] = [(k, label(k)) for k in keys]  # a new method's own metrics
@@ -472,6 +483,8 @@ if __name__ == "__main__":
             E,
             "entropy/kept",
             "entropy/kept_frac",
+            "rollout/filtered_frac",
+            "rollout/generated_groups",
         )
         if any(len(series(r["rows"], k)[0]) for r in runs)
     ]

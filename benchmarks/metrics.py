@@ -6,6 +6,8 @@ ENTROPY = ("entropy/full", *AENT)
 # --top-entropy-quantile < 1 (every method): the kept tokens' mean entropy, their share, the entropy threshold
 SELECTION = ("entropy/kept", "entropy/kept_frac", "entropy/mask_threshold")
 REWARD = ("rollout/reward", "rollout/accuracy")
+# --filter-groups (DAPO's dynamic sampling, every method): generation rounds, groups generated, the share dropped
+SAMPLING = ("rollout/gen_rounds", "rollout/generated_groups", "rollout/filtered_frac")
 EVAL = ("eval/acc", "eval/response_length")  # greedy, on --eval-dataset, every --eval-every steps
 # with --eval-samples k: k samples per eval prompt at the training temperature (pass@k for k = 2, 4, 8, ... and k)
 EVAL_SAMPLED = ("eval/mean_acc", "eval/pass@16", "eval/entropy")
@@ -29,6 +31,9 @@ LABELS = {
     "eval/mean_acc": "held-out accuracy, sampled (mean@k)",
     "eval/pass@16": "held-out pass@16",
     "eval/entropy": "entropy of held-out samples (nats)",
+    "rollout/gen_rounds": "dynamic sampling: generation rounds per step",
+    "rollout/generated_groups": "dynamic sampling: groups generated per step",
+    "rollout/filtered_frac": "dynamic sampling: share of groups dropped (all equal)",
     "cov/selected_frac": "Cov: fraction of tokens selected",
     "cov/selected_mean": "Cov: mean covariance of the selected",
     "cov/mean": "Cov: mean covariance of all tokens",

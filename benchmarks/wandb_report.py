@@ -17,6 +17,7 @@ from benchmarks.metrics import (  # noqa: E402
     EVAL,
     EVAL_SAMPLED,
     REWARD,
+    SAMPLING,
     SELECTION,
     THROUGHPUT,
     TIME,
@@ -81,6 +82,12 @@ def sections(eval_datasets=(), logged=()) -> list:
             "Cov selection",
             "KL-Cov / Clip-Cov: which tokens the covariance selection picks and what it does to them.",
             list(COV),
+        ),
+        (
+            "Dynamic sampling",
+            "--filter-groups (DAPO): generation rounds per step, groups generated, and the share dropped because "
+            "every sample of the group had the same accuracy.",
+            list(SAMPLING),
         ),
         (
             "Token selection",

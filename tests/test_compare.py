@@ -98,7 +98,8 @@ def test_reproduction_scripts_pass_valid_flags(script):
     methods = [
         next((i for i, t in enumerate(c) if t.startswith("grpo_") and t.endswith(".py")), None) for c in commands
     ]
-    assert {c[i] for c, i in zip(commands, methods) if i} == {
+    launched = {c[i] for c, i in zip(commands, methods) if i}
+    assert "grpo_vanilla.py" in launched and launched <= {
         "grpo_vanilla.py",
         "grpo_aent.py",
         "grpo_klcov.py",
@@ -121,6 +122,34 @@ def test_reproduction_scripts_pass_valid_flags(script):
         else:
             assert c[1] == "benchmarks/compare.py", c
             tyro.cli(benchmarks.compare.Args, args=c[2:])
+
+
+def dry_run(script: str) -> list:
+    """The command lines of a reproduction script that launch a method script."""
+    proc = subprocess.run(["bash", script], env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True)
+    commands = [shlex.split(line) for line in proc.stdout.splitlines()]
+    return [c for c in commands if any(t.startswith("grpo_") and t.endswith(".py") for t in c)]
+
+
+def test_the_cov_recipes_run_the_authors_experiment():
+    """The settings docs/fidelity.md lists as the authors' (PRIME-RL/Entropy-Mechanism-of-RL recipe/dapo/*.sh)."""
+    for size, lr, k in (("7b", 5e-7, 2e-3), ("32b", 1e-6, 2e-4)):
+        commands = dry_run(os.path.join(ROOT, "benchmarks", "reproduce", f"cov_qwen2.5_{size}.sh"))
+        names = set()
+        for argv in commands:
+            at = next(i for i, a in enumerate(argv) if a.startswith("grpo_") and a.endswith(".py"))
+            module = importlib.import_module(argv[at][: -len(".py")])
+            args = tyro.cli(module.Args, args=argv[at + 1 :])
+            names.add(args.exp_name)
+            assert args.filter_groups and args.filter_groups_metric == "acc" and args.max_gen_batches == 10
+            assert args.learning_rate == lr and args.num_prompts_per_step == 256 and args.group_size == 8
+            assert args.num_mini_batches == 8 and args.max_response_length == 8192 and args.eval_every == 4
+            assert args.kl_coef == 0 and args.vllm_is_cap == 0 and args.overlong_buffer_len == 0
+            high = {"grpo_vanilla": 0.2, "grpo_vanilla_cliphigher": 0.28, "grpo_clipcov": 1.0}.get(args.exp_name)
+            assert high is None or args.clip_eps_high == high
+            if args.exp_name == "grpo_klcov":
+                assert args.kl_cov_ratio == k and args.ppo_kl_coef == 1
+        assert names == {"grpo_vanilla", "grpo_vanilla_cliphigher", "grpo_klcov", "grpo_clipcov"}
 
 
 def test_compare_without_runs_is_one_line(tmp_path):

@@ -240,3 +240,21 @@ def test_eval_prompts_sets_caps_and_the_overlap_warning(testbed, tmp_path):
     with pytest.warns(UserWarning, match="4 of the 14 held-out prompts are also training prompts"):
         rows = eval_prompts([testbed.test_file, twice], tokenizer, args, train)
     assert [name for _, _, name in rows].count("again") == 4
+
+
+def test_dapo_prompts_lose_dapos_answer_instruction():
+    """benchmarks/reproduce/dapo_boxed.py: the problem between DAPO's opening instruction and its closing reminder."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce" / "dapo_boxed.py"
+    spec = importlib.util.spec_from_file_location("dapo_boxed", path)
+    dapo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dapo)
+    problem = "Let $x$ be a real number.\n\nFind $x^2$ if $x = 3$."
+    prompt = (
+        "Solve the following math problem step by step. The last line of your response should be of the form "
+        "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+        f'{problem}\n\nRemember to put your answer on its own line after "Answer:".'
+    )
+    assert dapo.problem_text(prompt) == (problem, True)
+    assert dapo.problem_text(problem) == (problem, False)  # no instruction: unchanged, counted

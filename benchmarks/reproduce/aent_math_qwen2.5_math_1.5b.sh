@@ -2,8 +2,9 @@
 # AEnt's MATH run ("On Entropy Control in LLM-RL Algorithms", arXiv 2509.03493): Qwen2.5-Math-1.5B on MATH,
 # 512 prompts x 16 samples per step, 1024 / 3072 prompt / response tokens. All four methods x seeds, then evaluation
 # of every final model with the paper's evaluation settings and the comparison (plots, table, entropy-performance law).
-# Settings: the paper's, each written out below (README, "AEnt", lists them). The paper used 4 GPUs; the scripts'
-# results do not depend on the GPU count.
+# Settings: the authors' script's (run_aent_math.sh, antgroup/AEnt, with the verl defaults it relies on), each written
+# out below; every setting beside theirs: docs/fidelity.md. The paper used 4 GPUs; our results do not depend on the
+# GPU count.
 #
 #   bash benchmarks/reproduce/aent_math_qwen2.5_math_1.5b.sh               # everything, one run after another
 #   DRY_RUN=1 bash benchmarks/reproduce/aent_math_qwen2.5_math_1.5b.sh     # print the commands only
@@ -14,7 +15,7 @@ cd "$(dirname "$0")/../.."
 SEEDS=${SEEDS:-"1 2 3"}
 METHODS=${METHODS:-"grpo_vanilla grpo_aent grpo_klcov grpo_clipcov"}
 NUM_GPUS=${NUM_GPUS:-8}
-TOTAL_STEPS=${TOTAL_STEPS:-500}  # not given in methods.md: set it to your budget
+TOTAL_STEPS=${TOTAL_STEPS:-420}  # theirs: 30 epochs of 7500 // 512 = 14 steps
 DATASET=${DATASET:-DigitalLearningGmbH/MATH-lighteval}  # MATH train (7,500 problems; answers from the \boxed{} solutions)
 OUT=${OUT:-runs/aent_math_qwen2.5_math_1.5b}
 
@@ -22,23 +23,25 @@ run() {  # run a command, or only print it with DRY_RUN=1
   if [ -n "${DRY_RUN:-}" ]; then printf '%q ' "$@"; echo; else "$@"; fi
 }
 
-# shared by every method: the paper's MATH run (no KL to a reference, PPO clip 0.2 with verl's dual clip c = 3, as
-# the reference code runs it; gradient checkpointing)
+# shared by every method: the authors' MATH run (no KL to a reference, PPO clip 0.2 with verl's dual clip c = 3 and
+# AdamW weight decay 0.01, verl's defaults there; gradient checkpointing); evaluated every 15 steps on their sets that
+# are vendored here, greedy (theirs: n = 4 at T 0.6, top-p 0.95, top-k 20: the final evaluation below)
 COMMON=(
   --model-name-or-path Qwen/Qwen2.5-Math-1.5B --dataset "$DATASET"
-  --eval-dataset benchmarks/data/math500.jsonl --eval-every 10
+  --eval-dataset benchmarks/data/{math500,aime24,amc23,minerva_math,olympiadbench}.jsonl --eval-every 15
   --output-dir "$OUT" --total-steps "$TOTAL_STEPS" --track --wandb-project-name grpo-entropy --wandb-tags aent_math_qwen2.5_math_1.5b
   --num-prompts-per-step 512 --group-size 16 --max-prompt-length 1024 --max-response-length 3072
-  --temperature 1.0 --learning-rate 2e-6 --num-mini-batches 4 --num-epochs 1
+  --temperature 1.0 --learning-rate 2e-6 --num-mini-batches 4 --num-epochs 1 --weight-decay 0.01
   --kl-coef 0 --clip-ratio-c 3 --gradient-checkpointing --vllm-gpu-memory-utilization 0.55
   --vllm-is-cap 0  # the reference (verl) does not correct for the sampler's mismatch
 )
 method_flags() {
   case "$1" in
     grpo_vanilla) echo "--clip-eps-low 0.2 --clip-eps-high 0.2" ;;
-    # coef_0, clamp_p, target box of the clamped entropy, coefficient step size and warm-up, coefficient clip
+    # coef_0, clamp_p, target box of the clamped entropy, coefficient step size and warm-up, coefficient clip; their
+    # warm-up 30 keeps coef_0 for steps 1-30 (updated when global_steps >= 30, counted from 1): ours 29
     grpo_aent) echo "--clip-eps-low 0.2 --clip-eps-high 0.2 --clamp-p 0.33 --entropy-coef 0.002
-                     --entropy-low 0.15 --entropy-high 0.24 --entropy-coef-lr 0.002 --entropy-coef-warmup 30
+                     --entropy-low 0.15 --entropy-high 0.24 --entropy-coef-lr 0.002 --entropy-coef-warmup 29
                      --entropy-coef-min 6e-4 --entropy-coef-max 9e-3" ;;
     # the Cov paper's 7B defaults (it has no 1.5B setting); KL-Cov uses no PPO clipping
     grpo_klcov) echo "--kl-cov-ratio 2e-3 --ppo-kl-coef 1" ;;

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The Cov methods' Qwen2.5-32B run ("The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617): Qwen2.5-32B on
-# DAPO-Math-17k, 256 prompts x 8 samples per step, 8192 response tokens, lr 1e-6, no KL, no entropy bonus, on 4 nodes
-# x 8 GPUs with vLLM tensor parallel 2. All four methods x seeds, then evaluation and comparison. Settings: the
-# paper's, each written out below; memory plan: benchmarks/results/gpu_memory_plan.md.
+# The Cov methods' Qwen2.5-32B runs ("The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617), as the authors'
+# scripts run them (PRIME-RL/Entropy-Mechanism-of-RL recipe/dapo/32b_{baseline,cliphigher,kl_cov,clip_cov}.sh): the 7B
+# settings (cov_qwen2.5_7b.sh) with lr 1e-6 and KL-Cov's k 2e-4, on 4 nodes x 8 GPUs with vLLM tensor parallel 2.
+# Every setting beside theirs: docs/fidelity.md; memory plan: benchmarks/results/gpu_memory_plan.md.
 #
 #   bash benchmarks/reproduce/cov_qwen2.5_32b.sh               # on the first node of the hostfile
 #   DRY_RUN=1 bash benchmarks/reproduce/cov_qwen2.5_32b.sh     # print the commands only
@@ -13,27 +13,31 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 SEEDS=${SEEDS:-"1"}
-METHODS=${METHODS:-"grpo_vanilla grpo_aent grpo_klcov grpo_clipcov"}
+METHODS=${METHODS:-"grpo_vanilla grpo_vanilla_cliphigher grpo_klcov grpo_clipcov"}
 HOSTFILE=${HOSTFILE:-hostfile}
 NUM_NODES=${NUM_NODES:-4}
 NUM_GPUS=${NUM_GPUS:-8}  # per node
-TOTAL_STEPS=${TOTAL_STEPS:-500}  # not given in methods.md: set it to your budget
-DATASET=${DATASET:-open-r1/DAPO-Math-17k-Processed:en}
+TOTAL_STEPS=${TOTAL_STEPS:-500}  # theirs: 1000 epochs, i.e. until stopped: set it to your budget
+# DAPO-Math-17k's problems without DAPO's "Answer: $Answer" instruction (cov_qwen2.5_7b.sh)
+DATASET=${DATASET:-runs/data/dapo_math_17k_boxed.jsonl}
 OUT=${OUT:-runs/cov_qwen2.5_32b}
 
 run() {  # run a command, or only print it with DRY_RUN=1
   if [ -n "${DRY_RUN:-}" ]; then printf '%q ' "$@"; echo; else "$@"; fi
 }
 
-# shared by every method: the 7B settings (cov_qwen2.5_7b.sh) plus what 32B needs to fit 80 GB GPUs: one vLLM engine
-# per 2 GPUs (TP 2: 33 GB of bf16 weights per GPU), ZeRO-3 (16 bytes per parameter / 32 ranks = 16 GB per GPU),
+[ -e "$DATASET" ] || [ -n "${DRY_RUN:-}" ] || python benchmarks/reproduce/dapo_boxed.py --output "$DATASET"
+
+# shared by every configuration: the 7B settings (cov_qwen2.5_7b.sh) plus what 32B needs to fit 80 GB GPUs: one vLLM
+# engine per 2 GPUs (TP 2: 33 GB of bf16 weights per GPU), ZeRO-3 (16 bytes per parameter / 32 ranks = 16 GB per GPU),
 # one sequence per micro-batch, the engine asleep (weights offloaded) while training
 COMMON=(
-  --model-name-or-path Qwen/Qwen2.5-32B --dataset "$DATASET" --question-field prompt --answer-field solution
-  --eval-dataset benchmarks/data/math500.jsonl --eval-every 10
+  --model-name-or-path Qwen/Qwen2.5-32B --dataset "$DATASET"
+  --eval-dataset benchmarks/data/math500.jsonl benchmarks/data/aime24.jsonl benchmarks/data/amc23.jsonl --eval-every 4
   --output-dir "$OUT" --total-steps "$TOTAL_STEPS" --track --wandb-project-name grpo-entropy --wandb-tags cov_qwen2.5_32b
   --num-prompts-per-step 256 --group-size 8 --max-prompt-length 2048 --max-response-length 8192
-  --temperature 1.0 --learning-rate 1e-6 --num-mini-batches 8 --num-epochs 1
+  --temperature 1.0 --learning-rate 1e-6 --num-mini-batches 8 --num-epochs 1 --weight-decay 0
+  --filter-groups --filter-groups-metric acc --max-gen-batches 10 --clip-ratio-c 0
   --kl-coef 0 --gradient-checkpointing --zero-stage 3 --micro-batch-size 1
   --vllm-tensor-parallel-size 2 --vllm-gpu-memory-utilization 0.6 --vllm-sleep-level 1
   --vllm-is-cap 0  # the reference (verl) does not correct for the sampler's mismatch
@@ -41,13 +45,16 @@ COMMON=(
 method_flags() {
   case "$1" in
     grpo_vanilla) echo "--clip-eps-low 0.2 --clip-eps-high 0.2" ;;
+    # DAPO's clip-higher (32b_cliphigher.sh): grpo_vanilla.py, named apart (--exp-name) in compare.py and wandb
+    grpo_vanilla_cliphigher) echo "--clip-eps-low 0.2 --clip-eps-high 0.28" ;;
     # AEnt published no 32B setting: its MATH run's values (the entropy box is model-specific: tune it)
     grpo_aent) echo "--clip-eps-low 0.2 --clip-eps-high 0.2 --clamp-p 0.33 --entropy-coef 0.002
                      --entropy-low 0.15 --entropy-high 0.24 --entropy-coef-lr 0.002 --entropy-coef-warmup 30
                      --entropy-coef-min 6e-4 --entropy-coef-max 9e-3" ;;
-    # top 2e-4 of the tokens by covariance (32B; 7B: 2e-3) get beta |logp - old_logp|, beta 1; no PPO clipping
+    # top 2e-4 of the tokens by covariance (their k_percent 0.02, in percent; 7B: 2e-3) get beta |logp - old_logp|,
+    # beta 1; no PPO clipping; over the mini-batch of all ranks (theirs: per micro-batch and GPU)
     grpo_klcov) echo "--kl-cov-ratio 2e-4 --ppo-kl-coef 1" ;;
-    # 2e-4 of the tokens with covariance in (1, 5) lose their gradient; the recipe's PPO clip 1 / 1
+    # 2e-4 of the tokens (a fraction, as theirs) with covariance in (1, 5) lose their gradient; their PPO clip 1 / 1
     grpo_clipcov) echo "--clip-cov-ratio 2e-4 --clip-cov-lb 1 --clip-cov-ub 5 --clip-eps-low 1 --clip-eps-high 1" ;;
     *) echo "unknown method $1" >&2; exit 1 ;;
   esac
@@ -56,8 +63,9 @@ method_flags() {
 for method in $METHODS; do
   for seed in $SEEDS; do
     # shellcheck disable=SC2046  # the method's flags are split on purpose
-    run deepspeed --hostfile "$HOSTFILE" --num_nodes "$NUM_NODES" --num_gpus "$NUM_GPUS" "$method.py" "${COMMON[@]}" \
-      $(method_flags "$method") --seed "$seed"
+    script=${method%_cliphigher}  # a configuration is a script or, clip-higher, vanilla's with its flags
+    run deepspeed --hostfile "$HOSTFILE" --num_nodes "$NUM_NODES" --num_gpus "$NUM_GPUS" "$script.py" "${COMMON[@]}" \
+      $(method_flags "$method") --exp-name "$method" --seed "$seed"
   done
 done
 
