@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from benchmarks.compare import aggregate, history_to_rows, law_points, wandb_run_record
-from benchmarks.metrics import COV, ENTROPY, EVAL, EVAL_SAMPLED, REWARD, SELECTION, THROUGHPUT, TIME
+from benchmarks.metrics import COV, ENTROPY, EVAL, EVAL_SAMPLED, REWARD, SAMPLING, SELECTION, THROUGHPUT, TIME
 from benchmarks.wandb_report import Args, api_filters, build_report, sections, settings_markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,6 +20,7 @@ SECTIONS = [
     "Reward and accuracy",
     "Evaluation per dataset",
     "Cov selection",
+    "Dynamic sampling",
     "Token selection",
     "Throughput and phase times",
 ]
@@ -72,7 +73,7 @@ def test_report_sections_panels_grouping_and_filters():
     )
     report = build_report(args, RUNS)
     kinds = [type(b).__name__ for b in report.blocks]
-    assert kinds == ["MarkdownBlock"] + ["H2", "P", "PanelGrid"] * 6
+    assert kinds == ["MarkdownBlock"] + ["H2", "P", "PanelGrid"] * 7
     assert [b.text for b in report.blocks if type(b).__name__ == "H2"] == SECTIONS
     grids = [b for b in report.blocks if type(b).__name__ == "PanelGrid"]
     expected = [
@@ -80,6 +81,7 @@ def test_report_sections_panels_grouping_and_filters():
         [*REWARD, "eval/acc"],
         [*EVAL, *EVAL_SAMPLED],
         list(COV),
+        list(SAMPLING),
         list(SELECTION),
         [*THROUGHPUT, *TIME],
     ]
