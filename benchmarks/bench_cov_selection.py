@@ -1,10 +1,12 @@
-"""What `--cov-scope global` costs in grpo_klcov.py / grpo_clipcov.py, per optimizer mini-batch, on one device.
+"""What `--cov-scope global` costs in grpo_klcov.py / grpo_clipcov.py, and `--entropy-mask-source current` (the 80/20
+rule's global scope from the current policy's entropies) in every script, per optimizer mini-batch, on one device.
 
 Global selection needs the current log-prob of every token of the mini-batch before its gradient passes. On the first
 mini-batch of a rollout batch those are the rollout's own (free); on every later one they take one extra no-grad
 forward over the mini-batch, plus an all-gather of (logp, A[, eligible]) per token and a top-k / draw on the gathered
-vector. This script times the extra forward against the mini-batch's forward+backward (what training costs anyway)
-and reports the all-gather volume for a given world size.
+vector. `--entropy-mask-source current` takes the same extra forward with the entropy (the log-prob pass's kernel).
+This script times both extra forwards against the mini-batch's forward+backward (what training costs anyway) and
+reports the all-gather volume for a given world size.
 
     python benchmarks/bench_cov_selection.py                      # the CPU testbed's model
     python benchmarks/bench_cov_selection.py --model Qwen/Qwen2.5-Math-1.5B --seqs 32 --response-len 3072 \
@@ -71,6 +73,10 @@ def main():
         with torch.no_grad():
             return torch.cat([response_logprobs(model, batch, 1.0, a.chunk_size, False)[0] for batch in batches])
 
+    def entropy_forward():  # what --entropy-mask-source current adds on a later mini-batch
+        with torch.no_grad():
+            return torch.cat([response_logprobs(model, batch, 1.0, a.chunk_size, True)[1] for batch in batches])
+
     n_global = a.seqs * a.response_len * a.world_size
     logp_all, adv_all = -torch.rand(n_global, device=device), torch.randn(n_global, device=device)
 
@@ -78,7 +84,13 @@ def main():
         return kl_cov_select(token_covariance(logp_all, adv_all), 2e-3)
 
     times = {}
-    for name, fn in (("train fwd+bwd", train_pass), ("extra no-grad fwd", extra_forward), ("select (top-k)", select)):
+    phases = (
+        ("train fwd+bwd", train_pass),
+        ("extra no-grad fwd", extra_forward),
+        ("... with entropy", entropy_forward),
+        ("select (top-k)", select),
+    )
+    for name, fn in phases:
         fn()  # warm-up
         runs = []
         for _ in range(a.repeats):
@@ -99,6 +111,11 @@ def main():
     print(
         f"  extra forward / training pass = {ratio:.2f} per later mini-batch; with M mini-batches per rollout batch "
         f"the training phase grows by (M-1)/M x {ratio:.2f} (M=4: {0.75 * ratio:.2f})"
+    )
+    ratio = times["... with entropy"] / times["train fwd+bwd"]
+    print(
+        f"  --entropy-mask-source current: the extra forward with entropy / training pass = {ratio:.2f} per later "
+        "mini-batch"
     )
     print(
         f"  all-gather per mini-batch: {tokens} tokens per rank x 2 (KL-Cov) or 3 (Clip-Cov) float32; each rank "

@@ -7,6 +7,9 @@
 #   METHODS="grpo_vanilla grpo_vanilla_top20 grpo_vanilla_top50 grpo_aent_top20 grpo_aent_target" \
 #     OUT=runs/testbed_selection RESULTS=benchmarks/results/testbed/selection bash benchmarks/reproduce/testbed.sh
 #                                                               # token selection and the target rule (below)
+#   METHODS="grpo_vanilla grpo_vanilla_cliphigher grpo_aent_top20_all grpo_vanilla_filter grpo_klcov_filter \
+#     grpo_clipcov_filter" OUT=runs/testbed_refs RESULTS=benchmarks/results/testbed/references \
+#     bash benchmarks/reproduce/testbed.sh                      # the references' settings (below)
 #   METHODS="grpo_vanilla grpo_mine" METHOD_FLAGS_grpo_mine="--my-coef 0.1" bash benchmarks/reproduce/testbed.sh
 #                                                               # any grpo_<name>.py: its flags (none if unset)
 #   METHOD_FLAGS_grpo_mine_big="grpo_mine --my-coef 1" METHODS="... grpo_mine_big" ...  # a variant: script, flags
@@ -98,6 +101,19 @@ method_flags() {
     # the same entropy; the range [0, 0.5] is grpo_aent's (TRL: [0, 1])
     grpo_aent_target) echo "grpo_aent --coef-rule target --clamp-p 0 --entropy-target 0.09 --entropy-coef 0
                             --entropy-coef-delta 0.005 --entropy-coef-min 0 --entropy-coef-max 0.5" ;;
+    # DAPO's clip-higher, the Cov authors' second baseline (their 7b_cliphigher.sh): the upper clip 0.28
+    grpo_vanilla_cliphigher) echo "grpo_vanilla --clip-eps-high 0.28" ;;
+    # the control of grpo_aent_top20 (one seed of three exploded): the same flags, the bonus and the coefficient's
+    # entropy over every token instead of the kept ones
+    grpo_aent_top20_all) echo "grpo_aent --top-entropy-quantile 0.2 --entropy-bonus-tokens all --clamp-p 0.33
+                               --entropy-coef 0.01 --entropy-low 0.38 --entropy-high 0.47 --entropy-coef-lr 0.02
+                               --entropy-coef-warmup 10 --entropy-coef-min 0 --entropy-coef-max 0.1" ;;
+    # DAPO's dynamic sampling (as every Cov run of the authors): groups whose accuracy is all-equal are dropped and
+    # more prompts generated, at most 10 rounds; each method's flags otherwise as above
+    grpo_vanilla_filter) echo "grpo_vanilla --filter-groups" ;;
+    grpo_klcov_filter) echo "grpo_klcov --kl-cov-ratio 0.1 --ppo-kl-coef 1 --filter-groups" ;;
+    grpo_clipcov_filter) echo "grpo_clipcov --clip-cov-ratio 0.02 --clip-cov-lb 0.5 --clip-cov-ub 5 --clip-eps-low 0.2
+                               --clip-eps-high 0.2 --filter-groups" ;;
     # the entropy-based advantage (arXiv 2506.14758) with the paper's GRPO values, unscaled: the bonus alpha H_t is
     # per token, and its high-entropy tokens (where it is larger than a few % of |A|) have entropies near a 1.5B
     # model's (0.3-1 nats); the cap |A| / kappa is relative to the advantage, which is normalised the same way here
