@@ -190,9 +190,11 @@ class Args:
     entropy_high: float = 0.24
     """upper end of the target box of the clamped entropy, nats (MATH run: 0.24)"""
     entropy_coef_lr: float = 0.002
-    """step size of the coefficient, updated once per training step (not per optimizer update) (MATH run: 0.002)"""
-    entropy_coef_warmup: int = 30
-    """steps at coef_0 before the updates start; the first uses step warmup+1's entropy (MATH run: 30)"""
+    """step size of the coefficient, updated once per training step (box rule; not per optimizer update) (MATH run:
+    0.002)"""
+    entropy_coef_warmup: int = 29
+    """the coefficient is first stepped after step warmup + 1, from its entropy: coef_0 in steps 1 to warmup + 1 (MATH
+    run: 30 in the reference's count, coef_0 in steps 1-30: 29 here)"""
     entropy_coef_min: float = 6e-4
     """the coefficient is clipped to [min, max] (MATH run: 6e-4)"""
     entropy_coef_max: float = 9e-3
