@@ -550,6 +550,7 @@ if __name__ == "__main__":
 
     synced = select is not None and args.entropy_bonus_tokens == "kept"  # AEnt: the bonus on the kept tokens
     limits = dict(coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)  # AEnt: the coefficient's range
+    target = dict(target=args.entropy_target, delta=args.entropy_coef_delta)  # AEnt: the target rule's
 
     def clamped(logits):  # AEnt: the clamped entropy of each token, from the log-prob kernel's chunk of logits
         return clamped_entropy(logits.float() / args.temperature, args.clamp_p)
@@ -678,7 +679,6 @@ if __name__ == "__main__":
                     window = run.all_reduce_sums({k: sums[k] - v for k, v in window.items()}, device)
                     h = window["clamped_train"] / window["train_tokens"] if window["train_tokens"] else math.nan
                     if args.adaptive_coef and math.isfinite(h):
-                        target = dict(target=args.entropy_target, delta=args.entropy_coef_delta)
                         method_state["entropy_coef"] = next_target_coef(coef_state, h, **target, **limits)
                         method_state["last_entropy"] = h  # the next update's gate
                 if policy.was_step_applied():
@@ -719,7 +719,6 @@ if __name__ == "__main__":
         h = metrics["entropy/sampled_nll" if args.coef_signal == "nll" else "entropy/clamped_train"]
         per_step = math.isfinite(h) and args.coef_cadence == "step"  # else stepped after every update above
         if args.adaptive_coef and per_step and args.coef_rule == "target":
-            target = dict(target=args.entropy_target, delta=args.entropy_coef_delta)
             method_state["entropy_coef"] = next_target_coef(coef_state, h, **target, **limits)
         elif args.adaptive_coef and per_step and step >= args.entropy_coef_warmup:  # the box rule
             box = dict(low=args.entropy_low, high=args.entropy_high, lr=args.entropy_coef_lr, reg=args.entropy_coef_reg)

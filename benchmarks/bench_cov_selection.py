@@ -69,13 +69,10 @@ def main():
             (-logp.exp()).sum().backward()
         model.zero_grad(set_to_none=True)
 
-    def extra_forward():  # what global selection adds on a later mini-batch
-        with torch.no_grad():
-            return torch.cat([response_logprobs(model, batch, 1.0, a.chunk_size, False)[0] for batch in batches])
-
-    def entropy_forward():  # what --entropy-mask-source current adds on a later mini-batch
-        with torch.no_grad():
-            return torch.cat([response_logprobs(model, batch, 1.0, a.chunk_size, True)[1] for batch in batches])
+    def extra_forward(with_entropy=False):  # what global selection (log-probs) or the mask source (entropies) adds
+        with torch.no_grad():  # on a later mini-batch
+            out = [response_logprobs(model, batch, 1.0, a.chunk_size, with_entropy) for batch in batches]
+            return torch.cat([o[1 if with_entropy else 0] for o in out])
 
     n_global = a.seqs * a.response_len * a.world_size
     logp_all, adv_all = -torch.rand(n_global, device=device), torch.randn(n_global, device=device)
@@ -87,7 +84,7 @@ def main():
     phases = (
         ("train fwd+bwd", train_pass),
         ("extra no-grad fwd", extra_forward),
-        ("... with entropy", entropy_forward),
+        ("... with entropy", lambda: extra_forward(with_entropy=True)),
         ("select (top-k)", select),
     )
     for name, fn in phases:

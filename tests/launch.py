@@ -14,6 +14,7 @@ import sys
 import tempfile
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from utils.testbed import CPU_ENV
@@ -224,3 +225,18 @@ def trainer_state(path, step=None):
     name = f"step_{step:07d}" if step else checkpoints(path)[-1]
     with open(os.path.join(path, "checkpoints", name, "trainer_state.json")) as f:
         return json.load(f)
+
+
+def assert_same_run(a, b):
+    """Same metrics (all but timings) at every step, same method state, same final weights."""
+    ra, rb = read_metrics(a), read_metrics(b)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb]
+    for x, y in zip(ra, rb):
+        assert x.keys() == y.keys()
+        for key in x:
+            if not key.startswith(("time/", "charts/tokens_per_second")):
+                assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), (x["step"], key)
+    assert trainer_state(a)["method_state"] == pytest.approx(trainer_state(b)["method_state"], rel=1e-5)
+    wa, wb = final_weights(a), final_weights(b)
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], atol=1e-6), k

@@ -84,20 +84,28 @@ def test_compare_writes_plots_and_table(tmp_path):
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "reproduce", "*.sh")))
 
 
+def dry_run(script: str) -> list:
+    """Every command line a reproduction script prints with DRY_RUN=1, split into arguments."""
+    proc = subprocess.run(
+        ["bash", script], env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [shlex.split(line) for line in proc.stdout.splitlines()]
+
+
+def method_at(command: list) -> int | None:
+    """Where a command names the method script it launches (None: it launches none)."""
+    return next((i for i, t in enumerate(command) if t.startswith("grpo_") and t.endswith(".py")), None)
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=[os.path.basename(s) for s in SCRIPTS])
 def test_reproduction_scripts_pass_valid_flags(script):
     """Every command a reproduction script launches parses with its script's Args and passes its checks."""
     import benchmarks.compare
     import benchmarks.eval
 
-    proc = subprocess.run(
-        ["bash", script], env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True, timeout=60
-    )
-    assert proc.returncode == 0, proc.stderr
-    commands = [shlex.split(line) for line in proc.stdout.splitlines()]
-    methods = [
-        next((i for i, t in enumerate(c) if t.startswith("grpo_") and t.endswith(".py")), None) for c in commands
-    ]
+    commands = dry_run(script)
+    methods = [method_at(c) for c in commands]
     launched = {c[i] for c, i in zip(commands, methods) if i}
     assert "grpo_vanilla.py" in launched and launched <= {
         "grpo_vanilla.py",
@@ -124,20 +132,13 @@ def test_reproduction_scripts_pass_valid_flags(script):
             tyro.cli(benchmarks.compare.Args, args=c[2:])
 
 
-def dry_run(script: str) -> list:
-    """The command lines of a reproduction script that launch a method script."""
-    proc = subprocess.run(["bash", script], env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True)
-    commands = [shlex.split(line) for line in proc.stdout.splitlines()]
-    return [c for c in commands if any(t.startswith("grpo_") and t.endswith(".py") for t in c)]
-
-
 def test_the_cov_recipes_run_the_authors_experiment():
     """The settings docs/fidelity.md lists as the authors' (PRIME-RL/Entropy-Mechanism-of-RL recipe/dapo/*.sh)."""
     for size, lr, k in (("7b", 5e-7, 2e-3), ("32b", 1e-6, 2e-4)):
         commands = dry_run(os.path.join(ROOT, "benchmarks", "reproduce", f"cov_qwen2.5_{size}.sh"))
         names = set()
-        for argv in commands:
-            at = next(i for i, a in enumerate(argv) if a.startswith("grpo_") and a.endswith(".py"))
+        for argv in (c for c in commands if method_at(c) is not None):
+            at = method_at(argv)
             module = importlib.import_module(argv[at][: -len(".py")])
             args = tyro.cli(module.Args, args=argv[at + 1 :])
             names.add(args.exp_name)

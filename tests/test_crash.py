@@ -8,27 +8,11 @@ import shutil
 import signal
 
 import pytest
-import torch
-from launch import COMMON, checkpoints, fault_flags, final_weights, read_metrics, run_dir, run_script, trainer_state
+from launch import COMMON, assert_same_run, checkpoints, fault_flags, read_metrics, run_dir, run_script, trainer_state
 
 # the tests sharing vanilla's uninterrupted run (conftest.py straight; test_dynamic_sampling's too): on one xdist
 # worker (make test: --dist loadgroup), the others anywhere
 SHARED = pytest.mark.xdist_group("test_crash")
-
-
-def assert_same_run(a, b):
-    """Same metrics (all but timings) at every step, same method state, same final weights."""
-    ra, rb = read_metrics(a), read_metrics(b)
-    assert [r["step"] for r in ra] == [r["step"] for r in rb]
-    for x, y in zip(ra, rb):
-        assert x.keys() == y.keys()
-        for key in x:
-            if not key.startswith(("time/", "charts/tokens_per_second")):
-                assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), (x["step"], key)
-    assert trainer_state(a)["method_state"] == pytest.approx(trainer_state(b)["method_state"], rel=1e-5)
-    wa, wb = final_weights(a), final_weights(b)
-    for k in wa:
-        assert torch.allclose(wa[k], wb[k], atol=1e-6), k
 
 
 @pytest.mark.parametrize(

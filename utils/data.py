@@ -276,8 +276,8 @@ def rank_slots(args, rank: int, world_size: int) -> list:
     return [j for m in range(M) for j in range(m * P // M + rank * per_rank, m * P // M + (rank + 1) * per_rank)]
 
 
-def step_prompt_indices(step: int, args, n_prompts: int, rank: int, world_size: int, first: int | None = None) -> list:
-    """(global position in the step's batch, dataset index) of this rank's prompts at `step`, whose batch starts at
-    stream position `first` (default step x P: every step takes P prompts, as without --filter-groups)."""
-    first = step * args.num_prompts_per_step if first is None else first
+def step_prompt_indices(step: int, args, n_prompts: int, rank: int, world_size: int) -> list:
+    """(global position in the step's batch, dataset index) of this rank's prompts at `step` when every step takes P
+    prompts (without --filter-groups): the stream's positions [step P, (step + 1) P)."""
+    first = step * args.num_prompts_per_step
     return [(j, stream_index(first + j, args.seed, n_prompts)) for j in rank_slots(args, rank, world_size)]

@@ -95,8 +95,7 @@ def collect(args, consumed: int, train_data: list, tokenizer, sample, grading_wo
     if not args.filter_groups:
         trained, after = list(range(consumed, consumed + P)), consumed + P
     else:
-        kept.sort()
-        fill = sorted(dropped)[: max(P - len(kept), 0)]
+        fill = dropped[: max(P - len(kept), 0)]  # kept and dropped are in stream order: each round's, sorted, follow
         if fill and rank == 0:
             print(
                 f"warning: {len(kept)} of {P} groups vary after {rounds} generation rounds (--max-gen-batches); "
@@ -105,8 +104,9 @@ def collect(args, consumed: int, train_data: list, tokenizer, sample, grading_wo
             )
         trained = sorted(kept[:P] + fill)
         after = end if fill else trained[-1] + 1
-        counts = {"gen_rounds": rounds, "generated_groups": len(kept) + len(dropped), "filtered": len(dropped)}
-        sums = {k: v if rank == 0 else 0 for k, v in {**counts, "filled": len(fill)}.items()}
+        sums = {"gen_rounds": rounds, "generated_groups": len(kept) + len(dropped), "filtered": len(dropped)}
+        sums["filled"] = len(fill)
+        sums = sums if rank == 0 else dict.fromkeys(sums, 0)
     mine = [trained[j] for j in rank_slots(args, rank, world_size)]
     if trained != list(range(consumed, consumed + P)):  # groups move to the ranks that train them
         shares = [None] * world_size
