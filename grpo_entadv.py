@@ -25,7 +25,7 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from utils import checkpoints, ops, rollouts, run
+from utils import checkpoints, ops, rollout_ranks, rollouts, run
 from utils.data import check_model, eval_prompts, load_tokenizer, tokenized_prompts
 from utils.reward import default_grading_workers
 
@@ -105,6 +105,10 @@ class Args:
     step, 2: discard them: every parameter is pushed anew, and vLLM 0.33 saves and restores the model's buffers)"""
     vllm_tensor_parallel_size: int = 1
     """ranks per vLLM engine: each group of this many consecutive ranks shares one tensor-parallel engine"""
+    rollout_ranks: int = 0
+    """the last this many processes only generate, the others train (utils/rollout_ranks.py); 0: colocated engines"""
+    max_staleness: int = 0
+    """--rollout-ranks: step t trains on samples of the policy after step t - s (0: no overlap; 1: one-step-off)"""
     filter_groups: bool = False
     """DAPO's dynamic sampling (arXiv 2503.14476; verl's algorithm.filter_groups): groups whose metric does not vary
     are dropped and more prompts generated until --num-prompts-per-step groups remain (utils/rollouts.py)"""
@@ -379,6 +383,8 @@ def response_logprobs(model, batch, temperature, chunk_size, with_entropy, num_c
 def make_sampler(args: Args, rank: int, on_gpu: bool, policy=None):
     """This process's part of a vLLM engine in the torch.distributed world (external launcher): its own engine with
     --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks)."""
+    if rollout_ranks.trains():  # beside rollout ranks, which run the engines: a stand-in for them
+        return rollout_ranks.Engine(args)
     LLM = run.import_vllm()
     run.check_vllm_memory(args, on_gpu, policy)  # its budget is free now, with room for the training state: or why not
     if not on_gpu:
@@ -464,7 +470,7 @@ def evaluate(args, sampler, policy, tokenizer, eval_data: list, logprobs, group=
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    rank, local_rank, world_size, device, on_gpu = run.init_distributed()
+    rank, local_rank, world_size, device, on_gpu = run.init_distributed(args.rollout_ranks)  # the trainers' world
     validate_args(args, world_size)
     check_model(args)  # the model loads and the context fits it
     args.world_size, args.git_commit = world_size, run.git_commit()
@@ -487,9 +493,10 @@ if __name__ == "__main__":
     G, mbs, clip = args.group_size, args.micro_batch_size, (args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c)
     updates_per_step = args.num_mini_batches * args.num_epochs
     grading_workers = args.grading_workers or default_grading_workers()
+    rollout_ranks.serve(args, make_sampler, generate, tokenizer, train_data, grading_workers)  # a rollout rank stays
     select = args.entropy_mask_scope if args.top_entropy_quantile < 1 else None  # 80/20 rule: where it selects
     # else the training forward computes the old log-probs; a global selection needs the entropies before training
-    separate_pass = updates_per_step > 1 or args.kl_coef > 0 or select == "global"
+    separate_pass = updates_per_step > 1 or args.kl_coef > 0 or select == "global" or args.max_staleness > 0
     train_entropy = not separate_pass or select == "microbatch"  # the training forward's: old, or to select by
     grad_accum = args.num_prompts_per_step // (args.num_mini_batches * world_size) * G // mbs  # micro-batches/update
     policy, scheduler, ref_policy = run.make_policy(args, on_gpu, grad_accum, updates_per_step)
@@ -505,7 +512,7 @@ if __name__ == "__main__":
 
     sampler = make_sampler(args, rank, on_gpu, policy) if args.use_vllm else None
     tp_group = run.tensor_parallel_group(args.vllm_tensor_parallel_size)  # the ranks sharing this rank's sampler
-    sleeping = on_gpu and sampler is not None and args.vllm_sleep_level > 0
+    sleeping = on_gpu and sampler is not None and args.vllm_sleep_level > 0 and not args.rollout_ranks
 
     def sample(prompts, seeds):  # G samples per prompt, called once per generation round
         return generate(args, sampler, policy, tokenizer, prompts, seeds, G, False, tp_group)
@@ -520,8 +527,7 @@ if __name__ == "__main__":
     progress = tqdm(range(start_step, args.total_steps), disable=rank != 0, initial=start_step, total=args.total_steps)
     for step in progress:
         step_start = time.time()
-        # ---- rollouts: G samples per prompt, graded; --filter-groups: more rounds until P groups whose rewards
-        # vary (DAPO's dynamic sampling, utils/rollouts.py) ----
+        # ---- rollouts: G samples per prompt, graded (utils/rollouts.py: dynamic sampling, rollout ranks) ----
         rollout = rollouts.collect(args, consumed, train_data, tokenizer, sample, grading_workers, rank, world_size)
         if sleeping:
             sampler.sleep(level=args.vllm_sleep_level)

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import rollout_ranks
+
 CHECKSUMS = "checksums.json"
 
 
@@ -109,6 +111,7 @@ def load(engine, checkpoint: dict, rank: int):
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
+    rollout_ranks.restore(checkpoint, rank)
     consumed = checkpoint.get("consumed", checkpoint["step"] * checkpoint["args"]["num_prompts_per_step"])
     return checkpoint["step"], checkpoint["method_state"], consumed
 
@@ -172,6 +175,8 @@ def save(engine, run_dir: str, step: int, method_state: dict, args, rank: int, f
             try:
                 rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
                 torch.save({"state": state, **rng}, os.path.join(tmp, f"rng_rank{rank}.pt"))
+                if args.rollout_ranks:  # the batches in flight (--max-staleness)
+                    rollout_ranks.save_in_flight(tmp)
             except (OSError, RuntimeError) as e:
                 problem = _write_problem(e, tmp)
         problem = _first_problem(problem)

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from . import rollout_ranks
 from .data import rank_slots, stream_index
 from .reward import grade_all
 
@@ -52,12 +53,22 @@ def next_round_size(missing: int, kept: int, generated: int, P: int, world_size:
 
 def collect(args, consumed: int, train_data: list, tokenizer, sample, grading_workers: int, rank: int, world_size: int):
     """This rank's groups of the step whose batch starts at stream position `consumed`: a Rollout. `sample(prompts,
-    seeds)` returns G samples per prompt (every rank calls it once per round, as collectives may need)."""
+    seeds)` returns G samples per prompt (every rank calls it once per round, as collectives may need). With
+    --rollout-ranks the rollout ranks collected it (collect_for, utils/rollout_ranks.py): this rank receives it."""
+    if args.rollout_ranks:
+        return rollout_ranks.receive(consumed)
+    return collect_for(args, consumed, train_data, tokenizer, sample, grading_workers, [rank], world_size)[1][rank]
+
+
+def collect_for(args, consumed: int, train_data: list, tokenizer, sample, grading_workers: int, ranks, world_size: int):
+    """(the next step's stream position, {rank: its Rollout}) for the training ranks `ranks` of `world_size`: this
+    process generates and grades their groups; the processes of its torch.distributed world together cover every
+    training rank (the trainers themselves, or the rollout ranks: utils/rollout_ranks.py)."""
     P, G = args.num_prompts_per_step, args.group_size
-    groups = {}  # stream position -> (prompt, samples, graded, rewards) of the groups this rank generated
+    groups = {}  # stream position -> (prompt, samples, graded, rewards) of the groups this process generated
     kept, dropped = [], []  # stream positions, all ranks'
-    positions, end = [consumed + j for j in rank_slots(args, rank, world_size)], consumed + P
-    rounds, seconds = 0, [0.0, 0.0]
+    positions = [consumed + j for r in ranks for j in rank_slots(args, r, world_size)]
+    end, rounds, seconds = consumed + P, 0, [0.0, 0.0]
     while True:
         rounds += 1
         indices = [stream_index(p, args.seed, len(train_data)) for p in positions]
@@ -82,7 +93,7 @@ def collect(args, consumed: int, train_data: list, tokenizer, sample, grading_wo
             [float(r == 1) for r, _ in groups[p][2]] if args.filter_groups_metric == "acc" else groups[p][3]
             for p in positions
         ]
-        shares = [None] * world_size
+        shares = [None] * dist.get_world_size()
         dist.all_gather_object(shares, [(p, max(m) > min(m)) for p, m in zip(positions, metric)])
         for p, varies in sorted(x for share in shares for x in share):
             (kept if varies else dropped).append(p)
@@ -90,13 +101,14 @@ def collect(args, consumed: int, train_data: list, tokenizer, sample, grading_wo
         if missing <= 0 or rounds == args.max_gen_batches:
             break
         n = next_round_size(missing, len(kept), len(kept) + len(dropped), P, world_size)
-        positions, end = list(range(end + rank * n // world_size, end + (rank + 1) * n // world_size)), end + n
+        positions = [p for r in ranks for p in range(end + r * n // world_size, end + (r + 1) * n // world_size)]
+        end += n
     sums = {}
     if not args.filter_groups:
         trained, after = list(range(consumed, consumed + P)), consumed + P
     else:
         fill = dropped[: max(P - len(kept), 0)]  # kept and dropped are in stream order: each round's, sorted, follow
-        if fill and rank == 0:
+        if fill and 0 in ranks:
             print(
                 f"warning: {len(kept)} of {P} groups vary after {rounds} generation rounds (--max-gen-batches); "
                 f"{len(fill)} whose rewards are all equal fill the step (zero advantage)",
@@ -106,22 +118,24 @@ def collect(args, consumed: int, train_data: list, tokenizer, sample, grading_wo
         after = end if fill else trained[-1] + 1
         sums = {"gen_rounds": rounds, "generated_groups": len(kept) + len(dropped), "filtered": len(dropped)}
         sums["filled"] = len(fill)
-        sums = sums if rank == 0 else dict.fromkeys(sums, 0)
-    mine = [trained[j] for j in rank_slots(args, rank, world_size)]
+    mine = {r: [trained[j] for j in rank_slots(args, r, world_size)] for r in ranks}
     if trained != list(range(consumed, consumed + P)):  # groups move to the ranks that train them
-        shares = [None] * world_size
-        wanted, needed = set(trained), set(mine)
+        shares = [None] * dist.get_world_size()
+        wanted, needed = set(trained), {p for r in ranks for p in mine[r]}
         payload = {p: (g[0], [tuple(s) for s in g[1]], g[2], g[3]) for p, g in groups.items() if p in wanted}
         dist.all_gather_object(shares, payload)
-        Sample = type(next(iter(groups.values()))[1][0])  # the script's; sent as plain tuples
+        Sample = type(next(iter(groups.values()))[1][0]) if groups else tuple  # the script's; sent as plain tuples
         moved = {p: g for share in shares for p, g in share.items() if p in needed}
         groups = {p: (g[0], [Sample(*s) for s in g[1]], g[2], g[3]) for p, g in moved.items()}
-    return Rollout(
-        prompts=[groups[p][0] for p in mine],
-        samples=[s for p in mine for s in groups[p][1]],
-        graded=[x for p in mine for x in groups[p][2]],
-        rewards=torch.tensor([groups[p][3] for p in mine], dtype=torch.float32).view(-1, G),
-        consumed=after,
-        sums=sums,
-        seconds=tuple(seconds),
-    )
+    return after, {
+        r: Rollout(
+            prompts=[groups[p][0] for p in mine[r]],
+            samples=[s for p in mine[r] for s in groups[p][1]],
+            graded=[x for p in mine[r] for x in groups[p][2]],
+            rewards=torch.tensor([groups[p][3] for p in mine[r]], dtype=torch.float32).view(-1, G),
+            consumed=after,
+            sums=sums if r == 0 else dict.fromkeys(sums, 0),  # rank 0's: summed over ranks with the step's
+            seconds=tuple(seconds),
+        )
+        for r in ranks
+    }

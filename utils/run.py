@@ -24,7 +24,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from transformers import AutoModelForCausalLM
 
-from . import checkpoints
+from . import checkpoints, rollout_ranks
 from .reward import grade, pass_at_k
 from .versions import too_old
 
@@ -64,10 +64,12 @@ RESUME_MAY_CHANGE = {
 }
 
 
-def init_distributed():
+def init_distributed(rollout_ranks_: int = 0):
     """(rank, local_rank, world_size, device, on_gpu) of this process, torch.distributed initialised through DeepSpeed.
 
-    Without a launcher (`python grpo_vanilla.py`) it is a world of one process.
+    Without a launcher (`python grpo_vanilla.py`) it is a world of one process. With `rollout_ranks_` > 0 the last
+    ones of the launch only generate (utils/rollout_ranks.py): world_size counts the trainers, and a rollout rank's
+    rank is its rank in the launch (>= world_size).
     """
     if problem := too_old():  # a one-line error, not a crash deep in a library
         raise SystemExit(f"error: {problem}")
@@ -83,6 +85,9 @@ def init_distributed():
     else:  # DeepSpeed would compile a shared-memory comm op (~25 s) that gloo does not need
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         device = torch.device("cpu")
+    if rollout_ranks_:  # two torch.distributed worlds, the trainers' and the rollout ranks'
+        rollout_ranks.split_world(rollout_ranks_, accelerator.communication_backend_name(), device)
+        world_size = rollout_ranks.trainers()
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
     return rank, local_rank, world_size, device, on_gpu
 
@@ -127,11 +132,19 @@ def check_args(args, world_size: int, method_checks=()) -> None:
         args.vllm_is_cap == 0 or args.vllm_is_cap >= 1,
         f"--vllm-is-cap must be 0 (off) or >= 1 (got {args.vllm_is_cap}): below 1 it scales down matching tokens too",
     )
-    tp = args.vllm_tensor_parallel_size
+    tp, engines = args.vllm_tensor_parallel_size, args.rollout_ranks or world_size  # the engines' ranks
     check(args.use_vllm or tp == 1, "--vllm-tensor-parallel-size > 1 needs vLLM (drop --no-use-vllm)")
     check(
-        tp >= 1 and world_size % tp == 0,
-        f"--vllm-tensor-parallel-size ({tp}) must divide the world size ({world_size})",
+        tp >= 1 and engines % tp == 0,
+        f"--vllm-tensor-parallel-size ({tp}) must divide the "
+        + (f"rollout ranks ({engines})" if args.rollout_ranks else f"world size ({world_size})"),
+    )
+    check(args.rollout_ranks >= 0, f"--rollout-ranks must be >= 0 (got {args.rollout_ranks})")
+    check(args.use_vllm or not args.rollout_ranks, "--rollout-ranks runs vLLM engines: drop --no-use-vllm")
+    check(args.max_staleness >= 0, f"--max-staleness must be >= 0 (got {args.max_staleness})")
+    check(
+        args.rollout_ranks or not args.max_staleness,
+        "--max-staleness needs --rollout-ranks (colocated engines generate between the updates)",
     )
     check(
         args.top_p == 1,
@@ -301,6 +314,8 @@ def step_metrics(g: dict, args, grad_norms: list, skipped: int, scheduler, step_
         metrics["rollout/vllm_logprob_gap"] = g["gap"] / g["tokens"]
         metrics["rollout/is_weight_mean"] = g["is_weight"] / g["tokens"]  # min(ratio, C) over the sampled tokens
         metrics["rollout/is_clipped_frac"] = g["is_clipped"] / g["tokens"]
+    if args.rollout_ranks:  # the trainers' wait for the step's batch (the generation not hidden behind training)
+        metrics["time/rollout_wait"] = g["rollout_wait"] / args.world_size
     if args.kl_coef > 0:  # the reference policy
         metrics["losses/ref_kl"] = g["ref_kl"] / updates
     if args.filter_groups:  # dynamic sampling: generation rounds, groups generated and dropped, the step filled
@@ -466,9 +481,9 @@ def hf_generate(policy, tokenizer, prompts: list, n: int, greedy: bool, seed: in
 
 
 def tensor_parallel_group(tp: int):
-    """This rank's process group of the tp consecutive ranks that share one vLLM engine (None when tp is 1); every rank
-    creates every group, in the same order, as torch.distributed requires."""
-    if tp == 1:
+    """This rank's process group of the tp consecutive ranks that share one vLLM engine (None when tp is 1, and on
+    trainers beside rollout ranks); every rank creates every group, in the same order, as torch.distributed requires."""
+    if tp == 1 or rollout_ranks.trains():
         return None
     groups = [dist.new_group(list(range(g, g + tp))) for g in range(0, dist.get_world_size(), tp)]
     return groups[dist.get_rank() // tp]
@@ -546,8 +561,11 @@ def close_engine(llm) -> None:
 
 
 def shutdown(sampler) -> None:
-    """The end of a run: the vLLM engine shut down explicitly (close_engine), then the process groups it left."""
-    if sampler is not None:
+    """The end of a run: the vLLM engine shut down explicitly (close_engine; the rollout ranks' stop), then the
+    process groups it left."""
+    if isinstance(sampler, rollout_ranks.Engine):
+        sampler.close()
+    elif sampler is not None:
         close_engine(sampler)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -813,7 +831,7 @@ class StopSignal:
 
     def agreed(self, device) -> bool:
         """Whether any rank got a signal (a collective: every rank calls it at the same point)."""
-        flag = torch.tensor([float(self.requested)], device=device)
+        flag = torch.tensor([float(self.requested or rollout_ranks.stop_requested())], device=device)
         dist.all_reduce(flag)
         self.requested = bool(flag.item())
         return self.requested
