@@ -20,6 +20,7 @@ from launch import (
     fault_flags,
     final_weights,
     read_metrics,
+    rollout_flags,
     run_dir,
     run_script,
     script_argv,
@@ -94,11 +95,16 @@ def wait_for_step(path_glob, step, proc, timeout=300):
 
 
 @pytest.mark.parametrize(
-    "script, nproc, sig", [("grpo_vanilla.py", 2, signal.SIGTERM), ("grpo_aent.py", 0, signal.SIGINT)]
+    "script, nproc, sig, flags",
+    [
+        ("grpo_vanilla.py", 2, signal.SIGTERM, fault_flags),
+        ("grpo_aent.py", 0, signal.SIGINT, fault_flags),
+        ("grpo_klcov.py", 3, signal.SIGTERM, rollout_flags),  # to the rollout rank, batches in flight (s = 1)
+    ],
 )
-def test_preemption_signal_checkpoints_and_exits_cleanly(testbed, tmp_path, script, nproc, sig):
+def test_preemption_signal_checkpoints_and_exits_cleanly(testbed, tmp_path, script, nproc, sig, flags):
     """A scheduler's SIGTERM (here to one rank only) or a Ctrl-C: every rank stops after the step, one checkpoint."""
-    argv, env = script_argv(script, fault_flags(testbed, script, **{"total-steps": 1000, "save-every": 0}), tmp_path)
+    argv, env = script_argv(script, flags(testbed, script, **{"total-steps": 1000, "save-every": 0}), tmp_path)
     proc = ForkedRun(argv, env, nproc)
     path = wait_for_step(f"{tmp_path}/*/metrics.jsonl", 1, proc)
     os.kill(proc.pids[-1], sig)  # the last rank, or the one process
@@ -108,7 +114,7 @@ def test_preemption_signal_checkpoints_and_exits_cleanly(testbed, tmp_path, scri
     assert f"stopped by signal after step {stopped}" in out + err
     assert checkpoints(path) == [f"step_{stopped:07d}"] and not os.path.exists(os.path.join(path, "final"))
     # and it resumes from there (a longer or shorter run: --total-steps may change)
-    run_script(script, fault_flags(testbed, script, **{"total-steps": stopped + 1, "resume": path}), tmp_path, nproc)
+    run_script(script, flags(testbed, script, **{"total-steps": stopped + 1, "resume": path}), tmp_path, nproc)
     assert [r["step"] for r in read_metrics(path)] == list(range(1, stopped + 2))
 
 

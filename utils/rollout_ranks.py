@@ -44,6 +44,7 @@ class _World:
     def __init__(self, rank: int, size: int, rollouts: int, backend: str, device):
         self.trainers, self.rollouts, self.global_rank = size - rollouts, rollouts, rank
         self.serving = rank >= self.trainers  # a rollout rank
+        self.rollout_peer = f"rollout rank {self.trainers}" if rollouts == 1 else "a rollout rank"
         store = dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, rank == 0, timeout=LINK_TIMEOUT
         )
@@ -97,9 +98,10 @@ def stop_requested() -> bool:
     return _engine is not None and _engine.stop
 
 
-def _failed(what: str, error: Exception) -> SystemExit:
-    line = str(error).splitlines()[0] if str(error) else type(error).__name__
-    return SystemExit(f"error: {what} stopped (rank {_world.global_rank} of the launch could not reach it: {line})")
+def _failed(peer: str, error: Exception) -> SystemExit:
+    """The one line of a process whose peer is gone: gloo's reason without its advice."""
+    reason = str(error).splitlines()[0].split("] ")[-1].split(". ")[0] if str(error) else type(error).__name__
+    return SystemExit(f"error: {peer} stopped ({reason}); rank {_world.global_rank} of the launch stops too")
 
 
 def _send(obj, dst: int, group) -> None:
@@ -150,7 +152,7 @@ class Engine:
             try:
                 _broadcast((kind, payload), _world.link)
             except RuntimeError as e:
-                raise _failed("a rollout rank", e)
+                raise _failed(_world.rollout_peer, e)
 
     def _take(self):
         """The next message from this rank's rollout rank: a batch goes into `ready`; outputs are returned."""
@@ -202,7 +204,7 @@ class Engine:
                     _broadcast((name, tuple(tensor.shape), tensor.dtype), _world.link)
                     _broadcast(None, _world.weights, tensor.contiguous())
                 except RuntimeError as e:
-                    raise _failed("a rollout rank", e)
+                    raise _failed(_world.rollout_peer, e)
 
     def reset_prefix_cache(self) -> None:
         """The end of push_weights: the weights are complete, the engines reset their prefix caches."""
@@ -213,7 +215,7 @@ class Engine:
             try:
                 _broadcast(None, _world.link)
             except RuntimeError as e:
-                raise _failed("a rollout rank", e)
+                raise _failed(_world.rollout_peer, e)
 
     def save(self, directory: str) -> None:
         """Into a checkpoint being written: the batches in flight (their weights were all sent: nothing waits)."""
@@ -292,7 +294,7 @@ def serve(args, make_sampler, generate, tokenizer, train_data: list, grading_wor
         try:
             kind, payload = _broadcast(None, _world.link)
         except RuntimeError as e:
-            raise _failed("trainer 0", e)
+            raise _failed("trainer rank 0", e)
         if kind == "stop":
             break
         if kind == "begin":

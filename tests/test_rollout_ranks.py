@@ -1,0 +1,68 @@
+"""--rollout-ranks: the real scripts on the CPU testbed, 2 trainers and 1 rollout rank (utils/rollout_ranks.py): at
+--max-staleness 0 the colocated run's trajectory; at 1 one trajectory per seed, through a kill and its resume; every
+method script once in this mode; a rollout rank that dies stops the job with one line."""
+
+import pytest
+from launch import assert_same_run, checkpoints, read_metrics, rollout_flags, run_dir, run_script
+
+# the test sharing vanilla's uninterrupted colocated run (conftest.py straight) runs beside test_crash's
+SHARED = pytest.mark.xdist_group("test_crash")
+NOISE = 1e-5  # the CPU engine's log-probs against the trainer's on the same weights (~5e-7)
+
+
+@SHARED
+def test_without_staleness_the_run_is_the_colocated_one(testbed, straight, tmp_path):
+    run_script("grpo_vanilla.py", rollout_flags(testbed, "grpo_vanilla.py", staleness=0), tmp_path, nproc=3)
+    path = run_dir(tmp_path)
+    assert_same_run(straight("grpo_vanilla.py"), path)  # the same samples: every metric, the final weights
+    assert all(r["time/rollout_wait"] > 0 for r in read_metrics(path))
+
+
+def test_one_step_off_is_one_trajectory_through_a_kill_and_its_resume(testbed, tmp_path):
+    """AEnt at s = 1 twice: uninterrupted, and killed in step 3's first update (trainer 0), then resumed from step 2's
+    checkpoint, which holds step 3's batch, generated before the kill by step 1's weights."""
+    flags = rollout_flags(testbed, "grpo_aent.py")
+    run_script("grpo_aent.py", flags, tmp_path / "a", nproc=3)
+    proc = run_script("grpo_aent.py", flags, tmp_path / "b", nproc=3, fault="kill-step:5:0", check=False)
+    assert proc.returncode != 0
+    path = run_dir(tmp_path / "b")
+    assert checkpoints(path)[-1] == "step_0000002"
+    run_script("grpo_aent.py", rollout_flags(testbed, "grpo_aent.py", resume=path), tmp_path / "b", nproc=3)
+    assert_same_run(run_dir(tmp_path / "a"), path)
+    gaps = [r["rollout/vllm_logprob_gap"] for r in read_metrics(path)]
+    assert gaps[0] < NOISE < min(gaps[1:])  # step 1's batch is on-policy, the later ones one update behind
+
+
+@pytest.mark.parametrize(
+    "script, flags",
+    [
+        ("grpo_klcov.py", {"filter-groups": True, "zero-stage": 3}),  # dynamic sampling; parameters gathered to push
+        ("grpo_clipcov.py", {"eval-every": 2, "eval-samples": 2, "eval-num-prompts": 6}),  # evaluation on the engine
+        ("grpo_entadv.py", {"top-entropy-quantile": 0.5}),  # with the 80/20 rule's global selection
+    ],
+)
+def test_every_method_runs_one_step_off(testbed, tmp_path, script, flags):
+    extra = {"eval-dataset": testbed.test_file} if "eval-every" in flags else {}
+    run_script(script, rollout_flags(testbed, script, **flags, **extra), tmp_path, nproc=3)
+    metrics = read_metrics(run_dir(tmp_path))
+    train = [r for r in metrics if "rollout/reward" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert train[0]["rollout/vllm_logprob_gap"] < NOISE < min(r["rollout/vllm_logprob_gap"] for r in train[1:])
+    if "filter-groups" in flags:
+        assert all(r["rollout/gen_rounds"] >= 1 for r in train)
+    if "eval-every" in flags:
+        assert [r["step"] for r in metrics if "eval/acc" in r] == [0, 2, 4]
+
+
+def test_a_dying_rollout_rank_stops_the_job_with_one_line(testbed, tmp_path):
+    # the rollout rank is rank 0 of its world: only it calls vLLM's generate (evaluation is off)
+    proc = run_script(
+        "grpo_vanilla.py",
+        rollout_flags(testbed, "grpo_vanilla.py"),
+        tmp_path,
+        nproc=3,
+        fault="kill-generate:3:0",
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "error: rollout rank 2 stopped (Connection closed by peer" in proc.stderr, proc.stderr[-3000:]
