@@ -10,6 +10,8 @@
 #   METHODS="grpo_vanilla grpo_vanilla_cliphigher grpo_aent_top20_all grpo_vanilla_filter grpo_klcov_filter \
 #     grpo_clipcov_filter" OUT=runs/testbed_refs RESULTS=benchmarks/results/testbed/references \
 #     bash benchmarks/reproduce/testbed.sh                      # the references' settings (below)
+#   METHODS="grpo_vanilla grpo_aent grpo_vanilla_s1 grpo_aent_s1" OUT=runs/testbed_async \
+#     RESULTS=benchmarks/results/testbed/async bash benchmarks/reproduce/testbed.sh   # one-step-off-policy (below)
 #   METHODS="grpo_vanilla grpo_mine" METHOD_FLAGS_grpo_mine="--my-coef 0.1" bash benchmarks/reproduce/testbed.sh
 #                                                               # any grpo_<name>.py: its flags (none if unset)
 #   METHOD_FLAGS_grpo_mine_big="grpo_mine --my-coef 1" METHODS="... grpo_mine_big" ...  # a variant: script, flags
@@ -118,6 +120,13 @@ method_flags() {
     # per token, and its high-entropy tokens (where it is larger than a few % of |A|) have entropies near a 1.5B
     # model's (0.3-1 nats); the cap |A| / kappa is relative to the advantage, which is normalised the same way here
     grpo_entadv) echo "--entadv-alpha 0.4 --entadv-kappa 2" ;;
+    # one-step-off-policy (--rollout-ranks 1: one trainer, one rollout rank, so 2 processes a run): step t trains on
+    # samples of the policy after step t - 1, weighted by min(pi_old / pi_sampler, 2) (the decoupled loss's behaviour
+    # correction: at s = 0 the weights are 1 to ~4e-7 here, so the synchronous runs' --vllm-is-cap 0 changes nothing)
+    grpo_vanilla_s1) echo "grpo_vanilla --rollout-ranks 1 --max-staleness 1 --vllm-is-cap 2" ;;
+    grpo_aent_s1) echo "grpo_aent --clamp-p 0.33 --entropy-coef 0.05 --entropy-low 0.08 --entropy-high 0.10
+                        --entropy-coef-lr 0.5 --entropy-coef-warmup 10 --entropy-coef-min 0 --entropy-coef-max 0.5
+                        --rollout-ranks 1 --max-staleness 1 --vllm-is-cap 2" ;;
     *) [ -f "$1.py" ] || { echo "unknown method $1: no $1.py (a variant: METHOD_FLAGS_$1=\"<script> <flags>\")" >&2
                            exit 1; } ;;
   esac
@@ -130,7 +139,9 @@ for seed in $SEEDS; do  # seed-major, so a partial result has every method
     flags=$(method_flags "$method" | tr '\n' ' ') || exit 1
     script=$method  # a variant's flags start with the script it runs
     [ -f "$script.py" ] || read -r script flags <<< "$flags"
-    cmd=("$PY" -m torch.distributed.run --nproc_per_node 1 --master_port $((PORT + i)) "$script.py" "${COMMON[@]}"
+    nproc=1  # and one process per rollout rank
+    if [[ $flags =~ --rollout-ranks\ ([0-9]+) ]]; then nproc=$((1 + BASH_REMATCH[1])); fi
+    cmd=("$PY" -m torch.distributed.run --nproc_per_node $nproc --master_port $((PORT + i)) "$script.py" "${COMMON[@]}"
          $flags --exp-name "$method" --seed "$seed")
     i=$((i + 1))
     if [ -n "${DRY_RUN:-}" ]; then printf '%q ' "${cmd[@]}"; echo; continue; fi
