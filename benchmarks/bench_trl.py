@@ -84,6 +84,15 @@ def trl_child(a):
     from utils.reward import grade
 
     torch.set_num_threads(1)
+    if a.vllm:  # ours' CPU engine settings: linear weights kept (so that weight pushes land), no graph compilation
+        import functools
+
+        import trl.generation.vllm_generation as trl_vllm
+
+        from utils.run import keep_vllm_cpu_weights
+
+        keep_vllm_cpu_weights()
+        trl_vllm.LLM = functools.partial(trl_vllm.LLM, enforce_eager=True)
     tokenizer = AutoTokenizer.from_pretrained(a.model)
     rows = load_problems(a.prompts, None, None, None)
     data = Dataset.from_list([{"prompt": format_prompt(r["problem"], tokenizer), "answer": r["answer"]} for r in rows])
