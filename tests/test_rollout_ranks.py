@@ -34,16 +34,17 @@ def test_one_step_off_is_one_trajectory_through_a_kill_and_its_resume(testbed, t
 
 
 @pytest.mark.parametrize(
-    "script, flags",
+    "script, flags, nproc",
     [
-        ("grpo_klcov.py", {"filter-groups": True, "zero-stage": 3}),  # dynamic sampling; parameters gathered to push
-        ("grpo_clipcov.py", {"eval-every": 2, "eval-samples": 2, "eval-num-prompts": 6}),  # evaluation on the engine
-        ("grpo_entadv.py", {"top-entropy-quantile": 0.5}),  # with the 80/20 rule's global selection
+        ("grpo_klcov.py", {"filter-groups": True, "zero-stage": 3}, 3),  # dynamic sampling; parameters gathered
+        ("grpo_clipcov.py", {"eval-every": 2, "eval-samples": 2, "eval-num-prompts": 6}, 3),  # evaluation
+        # the 80/20 rule's global selection; 1 trainer, 2 rollout ranks sharing one tensor-parallel engine
+        ("grpo_entadv.py", {"top-entropy-quantile": 0.5, "rollout-ranks": 2, "vllm-tensor-parallel-size": 2}, 3),
     ],
 )
-def test_every_method_runs_one_step_off(testbed, tmp_path, script, flags):
+def test_every_method_runs_one_step_off(testbed, tmp_path, script, flags, nproc):
     extra = {"eval-dataset": testbed.test_file} if "eval-every" in flags else {}
-    run_script(script, rollout_flags(testbed, script, **flags, **extra), tmp_path, nproc=3)
+    run_script(script, rollout_flags(testbed, script, **flags, **extra), tmp_path, nproc=nproc)
     metrics = read_metrics(run_dir(tmp_path))
     train = [r for r in metrics if "rollout/reward" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4]

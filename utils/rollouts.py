@@ -77,7 +77,8 @@ def collect_for(args, consumed: int, train_data: list, tokenizer, sample, gradin
         t0 = time.time()
         samples = sample(prompts, seeds)
         seconds[0] += time.time() - t0
-        texts = tokenizer.batch_decode([s.ids for s in samples], skip_special_tokens=True)
+        # (batch_decode of no sequences returns one empty text: a rollout rank may generate for no trainer)
+        texts = tokenizer.batch_decode([s.ids for s in samples], skip_special_tokens=True) if samples else []
         t0 = time.time()
         graded = grade_all(texts, [train_data[indices[k // G]][1] for k in range(len(texts))], grading_workers)
         seconds[1] += time.time() - t0
