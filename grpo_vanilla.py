@@ -108,7 +108,7 @@ class Args:
     rollout_ranks: int = 0
     """the last this many processes only generate, the others train (utils/rollout_ranks.py); 0: colocated engines"""
     max_staleness: int = 0
-    """--rollout-ranks: step t trains on samples of the policy after step t - s (0: no overlap; 1: one-step-off)"""
+    """--rollout-ranks: each step trains on samples of the policy s updates behind (0: no overlap; 1: one-step-off)"""
     filter_groups: bool = False
     """DAPO's dynamic sampling (arXiv 2503.14476; verl's algorithm.filter_groups): groups whose metric does not vary
     are dropped and more prompts generated until --num-prompts-per-step groups remain (utils/rollouts.py)"""
