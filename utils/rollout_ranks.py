@@ -45,8 +45,9 @@ class _World:
         self.trainers, self.rollouts, self.global_rank = size - rollouts, rollouts, rank
         self.serving = rank >= self.trainers  # a rollout rank
         self.rollout_peer = f"rollout rank {self.trainers}" if rollouts == 1 else "a rollout rank"
+        host = rank == 0 and not os.environ.get("TORCHELASTIC_USE_AGENT_STORE")  # torchrun's agent hosts one
         store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, rank == 0, timeout=LINK_TIMEOUT
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, host, timeout=LINK_TIMEOUT
         )
         # the two worlds: what DeepSpeed and vLLM see as torch.distributed
         world, sub_rank = ("rollouts", rank - self.trainers) if self.serving else ("trainers", rank)
