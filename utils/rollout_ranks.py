@@ -150,10 +150,15 @@ class Engine:
 
     def _command(self, kind: str, payload=None) -> None:
         if self.rank == 0:
-            try:
-                _broadcast((kind, payload), _world.link)
-            except RuntimeError as e:
-                raise _failed(_world.rollout_peer, e)
+            self._link((kind, payload))
+
+    @staticmethod
+    def _link(obj, tensor=None) -> None:
+        """Trainer 0 to every rollout rank: an object over `link`, or a tensor over the weights' group."""
+        try:
+            _broadcast(obj, _world.link if tensor is None else _world.weights, tensor)
+        except RuntimeError as e:
+            raise _failed(_world.rollout_peer, e)
 
     def _take(self):
         """The next message from this rank's rollout rank: a batch goes into `ready`; outputs are returned."""
@@ -201,11 +206,8 @@ class Engine:
                 if not self.pushing:
                     self._command("weights")
                     self.pushing = True
-                try:
-                    _broadcast((name, tuple(tensor.shape), tensor.dtype), _world.link)
-                    _broadcast(None, _world.weights, tensor.contiguous())
-                except RuntimeError as e:
-                    raise _failed(_world.rollout_peer, e)
+                self._link((name, tuple(tensor.shape), tensor.dtype))
+                self._link(None, tensor.contiguous())
 
     def reset_prefix_cache(self) -> None:
         """The end of push_weights: the weights are complete, the engines reset their prefix caches."""
@@ -213,10 +215,7 @@ class Engine:
             if not self.pushing:  # nothing was sent: an empty push
                 self._command("weights")
             self.pushing = False
-            try:
-                _broadcast(None, _world.link)
-            except RuntimeError as e:
-                raise _failed(_world.rollout_peer, e)
+            self._link(None)
 
     def save(self, directory: str) -> None:
         """Into a checkpoint being written: the batches in flight (their weights were all sent: nothing waits)."""
