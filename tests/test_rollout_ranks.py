@@ -26,7 +26,7 @@ def test_one_step_off_is_one_trajectory_through_a_kill_and_its_resume(testbed, t
     flags = rollout_flags(testbed, "grpo_aent.py")
     run_script("grpo_aent.py", flags, tmp_path / "a", nproc=3)
     proc = run_script("grpo_aent.py", flags, tmp_path / "b", nproc=3, fault="kill-step:5:0", check=False)
-    # the rollout rank's one line names the first trainer it could not reach (trainer 1 may die first, of trainer 0)
+    # the rollout rank's one line names the first trainer it cannot reach (trainer 1 may fail first, after trainer 0)
     assert proc.returncode != 0 and re.search(r"error: trainer rank \d stopped \(Connection closed", proc.stderr)
     path = run_dir(tmp_path / "b")
     assert checkpoints(path)[-1] == "step_0000002"
