@@ -7,12 +7,9 @@ import re
 import pytest
 from launch import assert_same_run, checkpoints, read_metrics, rollout_flags, run_dir, run_script
 
-# the test sharing vanilla's uninterrupted colocated run (conftest.py straight) runs beside test_crash's
-SHARED = pytest.mark.xdist_group("test_crash")
 NOISE = 1e-5  # the CPU engine's log-probs against the trainer's on the same weights (~5e-7)
 
 
-@SHARED
 def test_without_staleness_the_run_is_the_colocated_one(testbed, straight, tmp_path):
     run_script("grpo_vanilla.py", rollout_flags(testbed, "grpo_vanilla.py", staleness=0), tmp_path, nproc=3)
     path = run_dir(tmp_path)
