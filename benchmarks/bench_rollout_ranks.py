@@ -94,9 +94,11 @@ def main():
     for v in VARIANTS:
         step = median(per_step(v, "time/step"))
         work_s = median([g + w for g, w in zip(per_step(v, "time/generation"), per_step(v, "time/reward"))])
-        wait = median(per_step(v, "time/rollout_wait")) if v != "colocated" else work_s
-        hidden = f"{1 - wait / work_s:.2f}" if v != "colocated" else "-"
-        print(f"| {v} | {step:.2f} | {step / base:.2f} | {work_s:.2f} | {wait:.2f} | {hidden} |")
+        wait, hidden = "-", "-"  # colocated ranks wait for no one: they generate themselves
+        if v != "colocated":
+            seconds = median(per_step(v, "time/rollout_wait"))
+            wait, hidden = f"{seconds:.2f}", f"{1 - seconds / work_s:.2f}"
+        print(f"| {v} | {step:.2f} | {step / base:.2f} | {work_s:.2f} | {wait} | {hidden} |")
 
 
 if __name__ == "__main__":

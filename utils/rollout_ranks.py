@@ -68,9 +68,10 @@ class _World:
                 self.weights = dist.ProcessGroupNCCL(nccl_store, link_rank, rollouts + 1, options)
 
 
-def split_world(rollouts: int, backend: str, device) -> None:
+def split_world(rollouts: int, backend: str, device) -> int:
     """Before anything else uses torch.distributed: the launch's processes (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT) become two worlds, the first ones the trainers', the last `rollouts` the rollout ranks'."""
+    MASTER_PORT) become two worlds, the first ones the trainers', the last `rollouts` the rollout ranks'; returns the
+    number of trainers."""
     global _world
     size = int(os.environ["WORLD_SIZE"])
     if not 0 < rollouts < size:
@@ -78,6 +79,7 @@ def split_world(rollouts: int, backend: str, device) -> None:
             f"error: --rollout-ranks ({rollouts}) must leave at least one of the {size} processes to train"
         )
     _world = _World(int(os.environ["RANK"]), size, rollouts, backend, device)
+    return _world.trainers
 
 
 def serving() -> bool:
@@ -88,10 +90,6 @@ def serving() -> bool:
 def trains() -> bool:
     """Whether this process is a trainer beside rollout ranks."""
     return _world is not None and not _world.serving
-
-
-def trainers() -> int:
-    return _world.trainers
 
 
 def stop_requested() -> bool:

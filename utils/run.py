@@ -86,8 +86,7 @@ def init_distributed(rollout_ranks_: int = 0):
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         device = torch.device("cpu")
     if rollout_ranks_:  # two torch.distributed worlds, the trainers' and the rollout ranks'
-        rollout_ranks.split_world(rollout_ranks_, accelerator.communication_backend_name(), device)
-        world_size = rollout_ranks.trainers()
+        world_size = rollout_ranks.split_world(rollout_ranks_, accelerator.communication_backend_name(), device)
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
     return rank, local_rank, world_size, device, on_gpu
 
