@@ -1,6 +1,6 @@
 """Padding-free sequences (--padding-free) change the layout of the work, not the values: one packed row against
 right-padded rows through the policy. The token-budget micro-batches (--max-tokens-per-micro-batch) through the real
-scripts, each method on 2 ranks against fixed micro-batches: tests/test_selection_layouts.py."""
+scripts, each method packed on 2 ranks against fixed micro-batches: tests/test_selection_layouts.py."""
 
 import torch
 from transformers import AutoModelForCausalLM

@@ -97,10 +97,14 @@ def stop_requested() -> bool:
     return _engine is not None and _engine.stop
 
 
+def reason(error: Exception) -> str:
+    """gloo's reason for a failed send or collective, without its source location and advice."""
+    return str(error).splitlines()[0].split("] ")[-1].split(". ")[0] if str(error) else type(error).__name__
+
+
 def _failed(peer: str, error: Exception) -> SystemExit:
-    """The one line of a process whose peer is gone: gloo's reason without its advice."""
-    reason = str(error).splitlines()[0].split("] ")[-1].split(". ")[0] if str(error) else type(error).__name__
-    return SystemExit(f"error: {peer} stopped ({reason}); rank {_world.global_rank} of the launch stops too")
+    """The one line of a process whose peer is gone."""
+    return SystemExit(f"error: {peer} stopped ({reason(error)}); rank {_world.global_rank} of the launch stops too")
 
 
 def _send(obj, dst: int, group) -> None:

@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -85,10 +86,33 @@ def init_distributed(rollout_ranks_: int = 0):
     else:  # DeepSpeed would compile a shared-memory comm op (~25 s) that gloo does not need
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         device = torch.device("cpu")
+    launch_size = world_size
     if rollout_ranks_:  # two torch.distributed worlds, the trainers' and the rollout ranks'
         world_size = rollout_ranks.split_world(rollout_ranks_, accelerator.communication_backend_name(), device)
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
+    if launch_size > 1:
+        one_line_when_a_peer_is_gone(rank)
     return rank, local_rank, world_size, device, on_gpu
+
+
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
+"""gloo's and NCCL's words for a send or collective whose peer process has ended"""
+
+
+def one_line_when_a_peer_is_gone(rank: int) -> None:
+    """A process whose collective fails because another process of the launch has ended (killed, or stopped by its own
+    error, which it printed) ends with one line, not torch.distributed's traceback of the collective; any other
+    uncaught exception keeps its traceback."""
+    previous = sys.excepthook  # torch.distributed's: each line prefixed with [rank<n>]
+
+    def hook(kind, error, traceback):
+        if isinstance(error, RuntimeError) and any(words in str(error) for words in PEER_GONE):
+            why = rollout_ranks.reason(error)
+            print(f"error: another process of the launch has ended ({why}); rank {rank} stops too", file=sys.stderr)
+        else:
+            previous(kind, error, traceback)
+
+    sys.excepthook = hook
 
 
 def check_args(args, world_size: int, method_checks=()) -> None:
