@@ -240,6 +240,10 @@ def test_eval_prompts_sets_caps_and_the_overlap_warning(testbed, tmp_path):
     with pytest.warns(UserWarning, match="4 of the 14 held-out prompts are also training prompts"):
         rows = eval_prompts([testbed.test_file, twice], tokenizer, args, train)
     assert [name for _, _, name in rows].count("again") == 4
+    # beside rollout ranks the trainers evaluate together: each needs a prompt (4 trainers, 3 prompts)
+    few = SimpleNamespace(**{**vars(args), "eval_num_prompts": 3, "rollout_ranks": 1, "world_size": 4})
+    with pytest.raises(SystemExit, match="3 held-out prompts for 4 trainers; with --rollout-ranks each trainer"):
+        eval_prompts([testbed.test_file], tokenizer, few, train)
 
 
 def test_dapo_prompts_lose_dapos_answer_instruction():

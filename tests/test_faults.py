@@ -94,12 +94,17 @@ def wait_for_step(path_glob, step, proc, timeout=300):
     raise TimeoutError(path_glob)
 
 
+def filtered_rollout_flags(tb, script, **overrides):
+    """rollout_flags with dynamic sampling under ZeRO-3: KL-Cov's run beside a rollout rank (test_rollout_ranks.py)."""
+    return rollout_flags(tb, script, **{"filter-groups": True, "zero-stage": 3, **overrides})
+
+
 @pytest.mark.parametrize(
     "script, nproc, sig, flags",
     [
         ("grpo_vanilla.py", 2, signal.SIGTERM, fault_flags),
         ("grpo_aent.py", 0, signal.SIGINT, fault_flags),
-        ("grpo_klcov.py", 3, signal.SIGTERM, rollout_flags),  # to the rollout rank, batches in flight (s = 1)
+        ("grpo_klcov.py", 3, signal.SIGTERM, filtered_rollout_flags),  # to the rollout rank, batches in flight (s = 1)
     ],
 )
 def test_preemption_signal_checkpoints_and_exits_cleanly(testbed, tmp_path, script, nproc, sig, flags):

@@ -35,21 +35,20 @@ def test_one_step_off_is_one_trajectory_through_a_kill_and_its_resume(testbed, t
 @pytest.mark.parametrize(
     "script, flags, nproc",
     [
-        ("grpo_klcov.py", {"filter-groups": True, "zero-stage": 3}, 3),  # dynamic sampling; parameters gathered
-        ("grpo_clipcov.py", {"eval-every": 2, "eval-samples": 2, "eval-num-prompts": 6}, 3),  # evaluation
+        # evaluation; 2 trainers and 2 engines of their own (data-parallel: each rollout rank plays one trainer)
+        ("grpo_clipcov.py", {"eval-every": 2, "eval-samples": 2, "eval-num-prompts": 6, "rollout-ranks": 2}, 4),
         # the 80/20 rule's global selection; 1 trainer, 2 rollout ranks sharing one tensor-parallel engine
         ("grpo_entadv.py", {"top-entropy-quantile": 0.5, "rollout-ranks": 2, "vllm-tensor-parallel-size": 2}, 3),
     ],
 )
 def test_every_method_runs_one_step_off(testbed, tmp_path, script, flags, nproc):
+    """KL-Cov's run in this mode, with dynamic sampling under ZeRO-3, is test_faults' preemption of a rollout rank."""
     extra = {"eval-dataset": testbed.test_file} if "eval-every" in flags else {}
     run_script(script, rollout_flags(testbed, script, **flags, **extra), tmp_path, nproc=nproc)
     metrics = read_metrics(run_dir(tmp_path))
     train = [r for r in metrics if "rollout/reward" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert train[0]["rollout/vllm_logprob_gap"] < NOISE < min(r["rollout/vllm_logprob_gap"] for r in train[1:])
-    if "filter-groups" in flags:
-        assert all(r["rollout/gen_rounds"] >= 1 for r in train)
     if "eval-every" in flags:
         assert [r["step"] for r in metrics if "eval/acc" in r] == [0, 2, 4]
 

@@ -249,6 +249,12 @@ def eval_prompts(sources, tokenizer, args, train_data=()) -> list[tuple[list[int
             raise SystemExit(
                 f"error: {source}: every prompt is longer than --max-prompt-length {args.max_prompt_length}"
             )
+    trainers = getattr(args, "world_size", 1) if getattr(args, "rollout_ranks", 0) else 0
+    if 0 < len(rows) < trainers:  # the trainers ask the rollout ranks together: one without a prompt would not ask
+        raise SystemExit(
+            f"error: --eval-dataset: {len(rows)} held-out prompts for {trainers} trainers; with --rollout-ranks each "
+            "trainer needs one (raise --eval-num-prompts or add prompts)"
+        )
     trained = {tuple(ids) for ids, _ in train_data}
     if overlap := sum(tuple(ids) in trained for ids, _, _ in rows):
         message = f"{overlap} of the {len(rows)} held-out prompts are also training prompts: not a held-out evaluation"
