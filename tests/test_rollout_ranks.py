@@ -63,7 +63,7 @@ def test_a_dying_rollout_rank_stops_the_job_with_one_line(testbed, tmp_path):
         fault="kill-generate:3:0",
         check=False,
     )
-    assert proc.returncode != 0 and "error: rollout rank 2 stopped (Connection closed by peer" in proc.stderr
+    assert proc.returncode != 0 and "error: rollout rank 2 stopped (" in proc.stderr, proc.stderr[-3000:]
     assert_one_line_each(proc.stderr, 2)  # the trainers'
 
 
