@@ -120,7 +120,12 @@ def test_preemption_signal_checkpoints_and_exits_cleanly(testbed, tmp_path, scri
     assert checkpoints(path) == [f"step_{stopped:07d}"] and not os.path.exists(os.path.join(path, "final"))
     # and it resumes from there (a longer or shorter run: --total-steps may change)
     run_script(script, flags(testbed, script, **{"total-steps": stopped + 1, "resume": path}), tmp_path, nproc)
-    assert [r["step"] for r in read_metrics(path)] == list(range(1, stopped + 2))
+    rows = read_metrics(path)
+    assert [r["step"] for r in rows] == list(range(1, stopped + 2))
+    if flags is filtered_rollout_flags:  # dynamic sampling ran; step 1's batch on-policy, the later ones stale
+        assert all(r["rollout/gen_rounds"] >= 1 for r in rows)
+        gaps = [r["rollout/vllm_logprob_gap"] for r in rows]
+        assert gaps[0] < 1e-5 < min(gaps[1:])  # test_rollout_ranks.py NOISE
 
 
 def test_slow_rewards_and_bad_rows_are_counted_never_hang(testbed, tmp_path):

@@ -71,7 +71,8 @@ def test_every_layout_trains_the_same_tokens_and_gives_the_same_update(testbed, 
     before = load_file(os.path.join(testbed.model_dir, "model.safetensors"))
     weights = {name: final_weights(run_dir(tmp_path / name)) for name in names}
     assert any(not torch.equal(before[k], weights["one"][k]) for k in before), "weights did not change"
-    assert all(torch.allclose(weights["one"][k], weights["two"][k], atol=1e-5) for k in before if "two" in weights)
+    if "two" in weights:
+        assert all(torch.allclose(weights["one"][k], weights["two"][k], atol=1e-5) for k in before)
     # micro-batches of another shape: float-rounding differences in a near-zero gradient move a weight by up to ~1e-5
     # (Adam divides by sqrt(v); lr 5e-4)
     for name in names[:-1]:
