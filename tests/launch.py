@@ -217,6 +217,10 @@ def fault_flags(tb, script, **overrides):
     return script_flags(tb, **{**COMMON, **METHOD[script], **overrides})
 
 
+# a rollout rank's sampler log-probs against the trainer's on the same weights (~5e-7 on CPU); one update stale is more
+NOISE = 1e-5
+
+
 def rollout_flags(tb, script, staleness=1, **overrides):
     """fault_flags with the engines on one rollout rank (--rollout-ranks 1, --max-staleness `staleness`): vLLM."""
     method = {k: v for k, v in METHOD.get(script, {}).items() if k != "no-use-vllm"}

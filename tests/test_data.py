@@ -230,7 +230,14 @@ def test_eval_prompts_sets_caps_and_the_overlap_warning(testbed, tmp_path):
     from utils.data import eval_prompts, load_tokenizer, tokenized_prompts
 
     tokenizer = load_tokenizer(testbed.model_dir)
-    args = SimpleNamespace(question_field=None, answer_field=None, max_prompt_length=128, eval_num_prompts=10)
+    args = SimpleNamespace(
+        question_field=None,
+        answer_field=None,
+        max_prompt_length=128,
+        eval_num_prompts=10,
+        rollout_ranks=0,
+        world_size=1,
+    )
     train = tokenized_prompts(testbed.train_file, None, tokenizer, args)[0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no overlap: no warning

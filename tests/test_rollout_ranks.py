@@ -3,9 +3,7 @@
 method script once in this mode; a rank that dies stops the job with one line from each rank left."""
 
 import pytest
-from launch import assert_same_run, checkpoints, read_metrics, rollout_flags, run_dir, run_script
-
-NOISE = 1e-5  # the CPU engine's log-probs against the trainer's on the same weights (~5e-7)
+from launch import NOISE, assert_same_run, checkpoints, read_metrics, rollout_flags, run_dir, run_script
 
 
 @pytest.mark.xdist_group("test_crash")  # the worker that holds `straight`'s vanilla run (conftest.py)

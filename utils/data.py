@@ -249,7 +249,7 @@ def eval_prompts(sources, tokenizer, args, train_data=()) -> list[tuple[list[int
             raise SystemExit(
                 f"error: {source}: every prompt is longer than --max-prompt-length {args.max_prompt_length}"
             )
-    trainers = getattr(args, "world_size", 1) if getattr(args, "rollout_ranks", 0) else 0
+    trainers = args.world_size if args.rollout_ranks else 0
     if 0 < len(rows) < trainers:  # the trainers ask the rollout ranks together: one without a prompt would not ask
         raise SystemExit(
             f"error: --eval-dataset: {len(rows)} held-out prompts for {trainers} trainers; with --rollout-ranks each "
