@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -25,9 +24,13 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from utils import checkpoints, ops, rollout_ranks, rollouts, run
+from utils import batching, checkpoints, distributed, lifecycle, models, ops, rollout_ranks, rollouts, tracking
+from utils.checks import check_args
 from utils.data import check_model, eval_prompts, load_tokenizer, tokenized_prompts
+from utils.resume import open_run
 from utils.reward import default_grading_workers
+from utils.rollout_server import serve
+from utils.vllm_engine import make_sampler, push_weights
 
 
 @dataclass
@@ -211,8 +214,8 @@ class Args:
 
 
 def validate_args(args: Args, world_size: int) -> None:
-    """Reject impossible settings at start with one line naming the flag (the shared flags: utils.run.check_args)."""
-    run.check_args(args, world_size, method_checks=[])
+    """Reject impossible settings at start with one line naming the flag (the shared flags: utils.checks.check_args)."""
+    check_args(args, world_size, method_checks=[])
 
 
 def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -264,7 +267,7 @@ def entropy_selection(entropies: dict, rho: float) -> Selection:
     """The 80/20 rule over a selection set of tokens on all ranks (this rank's: a flat tensor of entropies per
     micro-batch index): the tokens whose entropy is at or above the (1 - rho) quantile of the whole set, ties kept
     (rho 0: the maximum only), as TRL's top_entropy_quantile."""
-    gathered = run.gather_ranks(torch.cat(list(entropies.values())))[0]
+    gathered = distributed.gather_ranks(torch.cat(list(entropies.values())))[0]
     threshold = ops.quantile(gathered, 1 - rho) if gathered.numel() else gathered.new_tensor(math.inf)
     kept = {i: e >= threshold for i, e in entropies.items()}
     return Selection(kept, entropies, threshold.item(), gathered.numel() / max((gathered >= threshold).sum().item(), 1))
@@ -347,46 +350,6 @@ def response_logprobs(model, batch, temperature, chunk_size, with_entropy, num_c
     return chunked_logprobs_entropy(hidden, head, targets, temperature, chunk_size, with_entropy, num_chunks, extra)
 
 
-def make_sampler(args: Args, rank: int, on_gpu: bool, policy=None):
-    """This process's part of a vLLM engine in the torch.distributed world (external launcher): its own engine with
-    --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks)."""
-    if rollout_ranks.trains():  # beside rollout ranks, which run the engines: a stand-in for them
-        return rollout_ranks.Engine(args)
-    LLM = run.import_vllm()
-    run.check_vllm_memory(args, on_gpu, policy)  # its budget is free now, with room for the training state: or why not
-    if not on_gpu:
-        run.prepare_vllm_cpu(args.vllm_kv_cache_memory)  # plain weights, which push_weights can update; cache size
-    return LLM(
-        model=args.model_name_or_path,
-        dtype="bfloat16" if on_gpu else "float32",
-        max_model_len=args.max_prompt_length + args.max_response_length,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        kv_cache_memory_bytes=int(args.vllm_kv_cache_memory * 2**30) or None,
-        distributed_executor_backend="external_launcher",
-        tensor_parallel_size=args.vllm_tensor_parallel_size,
-        seed=args.seed + rank // args.vllm_tensor_parallel_size,  # the ranks of an engine must agree
-        enable_prefix_caching=True,
-        enforce_eager=not on_gpu,  # on CPU, graph compilation costs more start-up than it saves
-        enable_chunked_prefill=on_gpu,  # vLLM-CPU fails to rewind a seeded sampler after a partial prefill
-        enable_sleep_mode=on_gpu and args.vllm_sleep_level > 0,
-        logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
-    )
-
-
-def push_weights(policy, sampler, zero_stage: int, wake: bool = False) -> None:
-    """Copy the policy's current weights into the local vLLM sampler (ZeRO-3: gathered one parameter at a time);
-    `wake`: the sampler sleeps, so first wake its weights, and afterwards its KV cache."""
-    if wake:
-        torch.cuda.empty_cache()  # the engine re-maps its memory outside PyTorch's cache: hand the cached blocks back
-        sampler.wake_up(tags=["weights"])
-    for name, param in policy.module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param], enabled=zero_stage == 3):
-            sampler.apply_model(lambda model: model.load_weights([(name, param.data)]))  # noqa: B023 (called at once)
-    sampler.reset_prefix_cache()
-    if wake:
-        sampler.wake_up(tags=["kv_cache"])
-
-
 class Sample(NamedTuple):
     ids: list  # response token ids
     sampler_logps: list | None  # the sampler's log-prob of each token (vLLM only)
@@ -418,30 +381,30 @@ def generate(args, sampler, policy, tokenizer, prompts: list, seeds: list, n: in
             samples.append(Sample(list(c.token_ids), logps, c.finish_reason == "length"))
         return samples
     # no sampler: HF generate on this rank
-    rows = run.hf_generate(policy, tokenizer, prompts, n, greedy, seeds[0], args)
+    rows = models.hf_generate(policy, tokenizer, prompts, n, greedy, seeds[0], args)
     return [Sample(ids, None, truncated) for ids, truncated in rows]
 
 
 def evaluate(args, sampler, policy, tokenizer, eval_data: list, logprobs, group=None) -> dict:
     """Held-out greedy accuracy; with --eval-samples n also n samples per prompt at the training temperature (seeded by
-    the prompt's position: the same draw each time), their mean accuracy, pass@k, entropy (utils.run.eval_metrics)."""
+    the prompt's position: the same draw each time), their mean accuracy, pass@k, entropy (tracking.eval_metrics)."""
     rank, world_size, n, device = dist.get_rank(), dist.get_world_size(), args.eval_samples, policy.device
     shard = eval_data[rank::world_size]
     prompts = [p for p, _, _ in shard]
     greedy = generate(args, sampler, policy, tokenizer, prompts, [0] * len(prompts), 1, True, group)
     seeds = [(rank + i * world_size) * n for i in range(len(prompts))]  # global position x n
     sampled = generate(args, sampler, policy, tokenizer, prompts, seeds, n, False, group) if n else []
-    entropies = run.sample_entropies(logprobs, policy, tokenizer, prompts, sampled, n, args.micro_batch_size)
-    return run.eval_metrics(tokenizer, shard, greedy, sampled, n, entropies, eval_data, device)
+    entropies = tracking.sample_entropies(logprobs, policy, tokenizer, prompts, sampled, n, args.micro_batch_size)
+    return tracking.eval_metrics(tokenizer, shard, greedy, sampled, n, entropies, eval_data, device)
 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    rank, local_rank, world_size, device, on_gpu = run.init_distributed(args.rollout_ranks)  # the trainers' world
+    rank, local_rank, world_size, device, on_gpu = distributed.init_distributed(args.rollout_ranks)  # the trainers
     validate_args(args, world_size)
     check_model(args)  # the model loads and the context fits it
-    args.world_size, args.git_commit = world_size, run.git_commit()
-    run_dir, resumed = run.open_run(args, world_size, device)  # resume continues the run directory of its checkpoint
+    args.world_size, args.git_commit = world_size, tracking.git_commit()
+    run_dir, resumed = open_run(args, world_size, device)  # resume continues the run directory of its checkpoint
 
     # TRY NOT TO MODIFY: seeding
     random.seed(args.seed)
@@ -460,25 +423,26 @@ if __name__ == "__main__":
     G, mbs, clip = args.group_size, args.micro_batch_size, (args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c)
     updates_per_step = args.num_mini_batches * args.num_epochs
     grading_workers = args.grading_workers or default_grading_workers()
-    rollout_ranks.serve(args, make_sampler, generate, tokenizer, train_data, grading_workers)  # a rollout rank stays
+    if rollout_ranks.serving():  # a rollout rank generates for the trainers until they stop, then exits
+        serve(args, generate, tokenizer, train_data, grading_workers)
     select = args.entropy_mask_scope if args.top_entropy_quantile < 1 else None  # 80/20 rule: where it selects
     # else the training forward computes the old log-probs; a global selection needs the entropies before training
     separate_pass = updates_per_step > 1 or args.kl_coef > 0 or select == "global" or args.max_staleness > 0
     train_entropy = not separate_pass or select == "microbatch"  # the training forward's: old, or to select by
     grad_accum = args.num_prompts_per_step // (args.num_mini_batches * world_size) * G // mbs  # micro-batches/update
-    policy, scheduler, ref_policy = run.make_policy(args, on_gpu, grad_accum, updates_per_step)
+    policy, scheduler, ref_policy = models.make_policy(args, on_gpu, grad_accum, updates_per_step)
     # method_state: what a method carries across steps (saved in checkpoints)
     start_step, method_state = 0, {}
     consumed = 0  # prompts of the seeded stream used so far
     if resumed:
         start_step, method_state, consumed = checkpoints.load(policy, resumed, rank)
-    calls = run.head_calls(args)  # ZeRO-3: every rank calls the output head equally often (None: any number)
+    calls = models.head_calls(args)  # ZeRO-3: every rank calls the output head equally often (None: any number)
 
     def logprobs(model, batch, with_entropy=False, extra=None):
         return response_logprobs(model, batch, args.temperature, args.logprob_chunk_size, with_entropy, calls, extra)
 
     sampler = make_sampler(args, rank, on_gpu, policy) if args.use_vllm else None
-    tp_group = run.tensor_parallel_group(args.vllm_tensor_parallel_size)  # the ranks sharing this rank's sampler
+    tp_group = distributed.tensor_parallel_group(args.vllm_tensor_parallel_size)  # the ranks sharing its sampler
     sleeping = on_gpu and sampler is not None and args.vllm_sleep_level > 0 and not args.rollout_ranks
 
     def sample(prompts, seeds):  # G samples per prompt, called once per generation round
@@ -486,8 +450,8 @@ if __name__ == "__main__":
 
     if sampler is not None and resumed:
         push_weights(policy, sampler, args.zero_stage)
-    tracker = run.Tracker(args, run_dir, rank, start_step if resumed else None)  # metrics.jsonl, and wandb with --track
-    stop, trim_heap = run.StopSignal(), run.HeapTrim()
+    tracker = tracking.Tracker(args, run_dir, rank, start_step if resumed else None)  # metrics.jsonl; wandb: --track
+    stop, trim_heap = lifecycle.StopSignal(), lifecycle.HeapTrim()
     if eval_data and args.eval_every and start_step == 0:
         tracker.log(evaluate(args, sampler, policy, tokenizer, eval_data, logprobs, tp_group), 0)  # the base policy
     bad_steps, stopping = 0, False
@@ -506,9 +470,11 @@ if __name__ == "__main__":
         seq_prompts, responses = [prompts[k // G] for k in range(len(samples))], [s.ids for s in samples]
         advantages = group_advantages(rewards, args.scale_rewards).flatten()
         # each micro-batch's samples; mini-batch m is micro-batches minis[m]
-        indices, minis = run.micro_batches([len(p) + len(r) for p, r in zip(seq_prompts, responses)], args, device)
+        indices, minis = batching.micro_batches([len(p) + len(r) for p, r in zip(seq_prompts, responses)], args, device)
         parts = [([seq_prompts[k] for k in g], [responses[k] for k in g], advantages[g], g) for g in indices]
-        batches = [run.collate(p, r, tokenizer.pad_token_id, device, a, args.padding_free, g) for p, r, a, g in parts]
+        batches = [
+            batching.collate(p, r, tokenizer.pad_token_id, device, a, args.padding_free, g) for p, r, a, g in parts
+        ]
         if sampler is not None:  # the sampler's log-probs of each micro-batch's tokens, in its order
             sampler_logps = [torch.tensor([x for k in g for x in samples[k].sampler_logps]).to(device) for g in indices]
 
@@ -536,7 +502,9 @@ if __name__ == "__main__":
             for m in range(args.num_mini_batches):
                 mb = minis[m]
                 mb_lengths = torch.cat([batches[i]["lengths"] for i in mb])
-                totals = run.all_reduce_sums({"tokens": mb_lengths.sum().item(), "seqs": len(mb_lengths)}, device)
+                totals = distributed.all_reduce_sums(
+                    {"tokens": mb_lengths.sum().item(), "seqs": len(mb_lengths)}, device
+                )
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
                 if select == "global":  # 80/20 rule: one threshold over the mini-batch of all ranks
                     decide = {i: entropies[i] for i in mb}  # the sampling policy's: the current one's until an update
@@ -597,20 +565,24 @@ if __name__ == "__main__":
         old_logp = torch.cat(old_logps)
         sums.update(seqs=len(samples), tokens=old_logp.numel(), prompt_tokens=sum(len(p) for p in seq_prompts))
         sums["positions"] = sum(batch["input_ids"].numel() for batch in batches)  # padding included
-        sums.update(run.rollout_sums(rewards, graded, samples))
+        sums.update(tracking.rollout_sums(rewards, graded, samples))
         sums.update(rollout.sums)  # --filter-groups: the generation rounds
         sums["nll"] = -old_logp.sum().item()
         if sampler is not None:  # the sampler's log-probs against the trainer's, the correction's weights
-            sums.update(run.sampler_sums(old_logp, torch.cat(sampler_logps), args.vllm_is_cap))
-        g = run.all_reduce_sums(sums, device)
+            sums.update(tracking.sampler_sums(old_logp, torch.cat(sampler_logps), args.vllm_is_cap))
+        g = distributed.all_reduce_sums(sums, device)
         max_length = torch.tensor([max(len(s.ids) for s in samples)], device=device)
         dist.all_reduce(max_length, op=dist.ReduceOp.MAX)
-        metrics.update(run.step_metrics(g, args, grad_norms, skipped, scheduler, time.time() - step_start, max_length))
+        metrics.update(
+            tracking.step_metrics(g, args, grad_norms, skipped, scheduler, time.time() - step_start, max_length)
+        )
         tracker.log(metrics, step + 1)
         progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", entropy=f"{metrics['entropy/full']:.3f}")
 
         # ---- evaluation and checkpoint ----
-        run.check_bad_steps(bad_steps, args.max_bad_steps, run_dir, tracker)  # every rank agrees: the skips are global
+        lifecycle.check_bad_steps(
+            bad_steps, args.max_bad_steps, run_dir, tracker
+        )  # every rank agrees: the skips are global
         done = step + 1 == args.total_steps
         if eval_data and args.eval_every and ((step + 1) % args.eval_every == 0 or done):
             tracker.log(evaluate(args, sampler, policy, tokenizer, eval_data, logprobs, tp_group), step + 1)
@@ -621,5 +593,5 @@ if __name__ == "__main__":
         if stopping:
             break
 
-    run.finish(policy, tokenizer, run_dir, args, rank, tracker, stopped_at=step + 1 if stopping else None)
-    run.shutdown(sampler)  # the engine first, then the process groups
+    lifecycle.finish(policy, tokenizer, run_dir, args, rank, tracker, stopped_at=step + 1 if stopping else None)
+    lifecycle.shutdown(sampler)  # the engine first, then the process groups

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from grpo_klcov import kl_cov_select, response_logprobs, token_covariance  # noqa: E402
-from utils.run import collate  # noqa: E402
+from utils.batching import collate  # noqa: E402
 
 
 def main():

@@ -1,12 +1,12 @@
 """GPU throughput of the pieces of a GRPO step at Qwen2.5-1.5B's real dimensions (random weights, built from a config:
-no download), through the scripts' own functions (utils.run.make_policy, grpo_vanilla.response_logprobs,
+no download), through the scripts' own functions (utils.models.make_policy, grpo_vanilla.response_logprobs,
 ppo_clip_loss, make_sampler, push_weights). Meant to finish in under 5 minutes on one H200 (not yet run on one).
 
     python benchmarks/bench_gpu.py                  # one GPU: single process, DeepSpeed ZeRO-2 bf16 on NCCL
     python benchmarks/bench_gpu.py --tiny           # the same code path on CPU in seconds (fp32, gloo; used by a test)
 
 Measures, each printed as a row of one markdown table:
-1. training: the scripts' DeepSpeed engine (utils.run.make_policy: ZeRO-2, bf16 weights on GPU and fp32 on CPU,
+1. training: the scripts' DeepSpeed engine (utils.models.make_policy: ZeRO-2, bf16 weights on GPU and fp32 on CPU,
    gradients accumulated and reduced in fp32, overlap_comm on GPU, gradient checkpointing, fused torch AdamW);
    --seqs sequences of --seq-len tokens (prompt --prompt-len + response) per optimizer step, micro-batch
    --micro-batch-size, the PPO-clip loss over the response tokens from the chunked log-prob pass. Tokens/s counts all
@@ -17,8 +17,8 @@ Measures, each printed as a row of one markdown table:
 1b. the same training at mixed lengths, as real rollouts have them: --mixed-seqs sequences whose responses are
    long-tailed (geometric, mean a quarter of the response budget, capped at it), once in right-padded micro-batches of
    --micro-batch-size sequences (the scripts' default) and once in token-budget micro-batches packed without padding
-   (--max-tokens-per-micro-batch micro-batch-size x seq-len --padding-free, through utils.run.micro_batches and
-   utils.run.collate as the scripts do); tokens/s of real tokens, the padding fraction, and MFU with each
+   (--max-tokens-per-micro-batch micro-batch-size x seq-len --padding-free, through utils.batching.micro_batches and
+   utils.batching.collate as the scripts do); tokens/s of real tokens, the padding fraction, and MFU with each
    sequence's own attention length.
 2. the log-prob + entropy pass over --seq-len tokens, forward + backward: ours (chunked) vs naive full logits, time
    and peak memory (torch.cuda.max_memory_allocated; on CPU the in-process RSS method of bench_logprob_memory.py).
@@ -131,9 +131,9 @@ def main():
     from bench_logprob_memory import measure as logprob_pass
 
     import grpo_vanilla as gv
-    from utils import run
+    from utils import batching, distributed, models, vllm_engine
 
-    _, _, _, device, on_gpu = run.init_distributed()
+    _, _, _, device, on_gpu = distributed.init_distributed()
     dtype = torch.bfloat16 if on_gpu else torch.float32
     dims = TINY if a.tiny or not on_gpu else QWEN25_15B
     rows = []
@@ -151,7 +151,7 @@ def main():
         vllm_sleep_level=1,  # as the scripts' default: on GPU the engine is built with sleep mode
     )
     grad_accum = a.seqs // a.micro_batch_size
-    engine = run.make_policy(args, on_gpu, grad_accum, updates_per_step=1)[0]
+    engine = models.make_policy(args, on_gpu, grad_accum, updates_per_step=1)[0]
     model = engine.module
     n_total = sum(q.numel() for q in model.parameters())
     n_matmul = n_total - model.get_input_embeddings().weight.numel() + dims["vocab_size"] * dims["hidden_size"]
@@ -167,7 +167,9 @@ def main():
 
     def train_step():
         for s in range(0, a.seqs, a.micro_batch_size):
-            batch = run.collate(prompts[s : s + a.micro_batch_size], responses[s : s + a.micro_batch_size], 0, device)
+            batch = batching.collate(
+                prompts[s : s + a.micro_batch_size], responses[s : s + a.micro_batch_size], 0, device
+            )
             logp, _, _ = gv.response_logprobs(engine, batch, 1.0, a.chunk_size, False)
             adv = advantages[s : s + a.micro_batch_size].to(device).repeat_interleave(R)
             loss, _ = gv.ppo_clip_loss(logp, logp.detach(), adv, 0.2, 0.2)
@@ -183,7 +185,7 @@ def main():
         (
             "training step (ZeRO-2, grad. checkpointing)",
             f"{tokens / train_s:,.0f} tokens/s",
-            f"{train_s:.3f} s for {a.seqs} x {a.seq_len} tokens; {mfu}{peak_train}; utils.run.make_policy "
+            f"{train_s:.3f} s for {a.seqs} x {a.seq_len} tokens; {mfu}{peak_train}; utils.models.make_policy "
             "(fp32 grad. accumulation and reduction, fused AdamW)",
         )
     )
@@ -200,9 +202,11 @@ def main():
         layout = gv.Args(
             num_mini_batches=1, micro_batch_size=a.micro_batch_size, max_tokens_per_micro_batch=budget * packed
         )
-        groups = run.micro_batches(sizes, layout, device)[0]
+        groups = batching.micro_batches(sizes, layout, device)[0]
         batches = [
-            run.collate([mixed_prompts[k] for k in grp], [mixed[k] for k in grp], 0, device, mixed_adv[grp], packed)
+            batching.collate(
+                [mixed_prompts[k] for k in grp], [mixed[k] for k in grp], 0, device, mixed_adv[grp], packed
+            )
             for grp in groups
         ]
 
@@ -304,13 +308,13 @@ def main():
 
         if on_gpu:
             torch.cuda.empty_cache()
-        llm = gv.make_sampler(args, 0, on_gpu)
+        llm = vllm_engine.make_sampler(args, 0, on_gpu)
         params = SamplingParams(
             n=1, temperature=1.0, max_tokens=a.gen_tokens, ignore_eos=True, detokenize=False, seed=0
         )
         requests = [{"prompt_token_ids": row} for row in gen_prompts.tolist()]
         vllm_s = timed(lambda: llm.generate(requests, params, use_tqdm=False), device, a.repeats)
-        push_s = timed(lambda: gv.push_weights(engine, llm, 2), device, a.repeats)
+        push_s = timed(lambda: vllm_engine.push_weights(engine, llm, 2), device, a.repeats)
         rows.append(
             (
                 "vLLM generate (colocated)",
@@ -331,7 +335,7 @@ def main():
                 torch.cuda.synchronize()
                 slept = time.perf_counter()
                 freed.append(torch.cuda.mem_get_info()[0] - free_before)
-                gv.push_weights(engine, llm, 2, wake=True)
+                vllm_engine.push_weights(engine, llm, 2, wake=True)
                 torch.cuda.synchronize()
                 sleeps.append(slept - start)
                 wakes.append(time.perf_counter() - slept)

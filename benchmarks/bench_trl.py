@@ -89,7 +89,7 @@ def trl_child(a):
 
         import trl.generation.vllm_generation as trl_vllm
 
-        from utils.run import keep_vllm_cpu_weights
+        from utils.vllm_engine import keep_vllm_cpu_weights
 
         keep_vllm_cpu_weights()
         trl_vllm.LLM = functools.partial(trl_vllm.LLM, enforce_eager=True)

@@ -276,7 +276,7 @@ def token_entropies(model, prompts: list, responses: list, args: Args, device, p
     import torch
 
     from grpo_vanilla import response_logprobs
-    from utils.run import collate
+    from utils.batching import collate
 
     result = [np.zeros(0, dtype=np.float32)] * len(responses)
     todo = [i for i, r in enumerate(responses) if r]
@@ -564,7 +564,7 @@ if __name__ == "__main__":
             progress.set_postfix(dataset=chunk[-1][0])
         progress.close()
         if llm is not None:
-            from utils.run import close_engine
+            from utils.vllm_engine import close_engine
 
             close_engine(llm)  # now, not at exit
     if worker:

@@ -216,7 +216,7 @@ class Smoke:
         result, FAIL lines or None)."""
         out_dir = self.fresh_dir(name)
         flags = {**TRAIN_FLAGS[self.hw], "total-steps": steps, "save-every": 0, "eval-every": 0, **flags}
-        # one process needs no launcher: the scripts default to rank 0 of 1 (utils/run.py); run() gives it a port
+        # one process needs no launcher: the scripts default to rank 0 of 1; run() gives it a port
         cmd = [sys.executable, os.path.abspath(__file__), "--probe"]
         cmd += [os.path.join(ROOT, "tests", "inject.py")] if fault else []
         cmd += [os.path.join(ROOT, script), "--model-name-or-path", self.testbed.model_dir]
@@ -540,12 +540,12 @@ def in_process(a) -> None:
     from bench_gpu import QWEN25_15B, TINY, build_model_dir
 
     import grpo_vanilla as gv
-    from utils import run
+    from utils import batching, distributed, models, vllm_engine
 
     def say(line: str) -> None:
         print(f"SMOKE {line}", flush=True)
 
-    _, _, _, device, on_gpu = run.init_distributed()
+    _, _, _, device, on_gpu = distributed.init_distributed()
     hw, dims = ("gpu", QWEN25_15B) if on_gpu else ("cpu", TINY)
     sz, dtype = IN_PROCESS[hw], torch.bfloat16 if on_gpu else torch.float32
     model_dir = os.path.join(os.path.abspath(a.work_dir), f"model-{'qwen2.5-1.5b-dims' if on_gpu else 'tiny'}")
@@ -577,10 +577,10 @@ def in_process(a) -> None:
         learning_rate=2e-4,  # one Adam step (~lr per weight) moves bf16 weights of ~0.02 (rounding step 1.2e-4)
         vllm_sleep_level=1 if on_gpu else 0,  # the engine is built with sleep mode on GPU; it sleeps at 1 and 2 below
     )
-    policy = run.make_policy(args, on_gpu, n_seqs // mbs, updates_per_step=1)[0]
+    policy = models.make_policy(args, on_gpu, n_seqs // mbs, updates_per_step=1)[0]
     if on_gpu:
         memory("after DeepSpeed init")
-    sampler = gv.make_sampler(args, 0, on_gpu)
+    sampler = vllm_engine.make_sampler(args, 0, on_gpu)
     if on_gpu:
         memory("after engine init")
     runner = getattr(getattr(sampler.llm_engine, "vllm_config", None), "use_v2_model_runner", "unknown")
@@ -603,7 +603,7 @@ def in_process(a) -> None:
     def trainer_logprobs(batches):
         with torch.no_grad():
             return [
-                gv.response_logprobs(policy, run.collate(p, [x.ids for x in b], 0, device), 1.0, 1024, False)[0]
+                gv.response_logprobs(policy, batching.collate(p, [x.ids for x in b], 0, device), 1.0, 1024, False)[0]
                 for p, b in batches
             ]
 
@@ -614,7 +614,7 @@ def in_process(a) -> None:
     def train_step(batches) -> None:
         n_tokens = sum(len(x.ids) for _, b in batches for x in b)
         for p, b in batches:
-            batch = run.collate(p, [x.ids for x in b], 0, device)
+            batch = batching.collate(p, [x.ids for x in b], 0, device)
             logp = gv.response_logprobs(policy, batch, 1.0, 1024, False)[0]
             adv = torch.randn(len(b), generator=g).to(device).repeat_interleave(batch["lengths"].to(device))
             loss, _ = gv.ppo_clip_loss(logp, logp.detach(), adv, 0.2, 0.2)
@@ -661,7 +661,7 @@ def in_process(a) -> None:
             torch.cuda.empty_cache()  # what PyTorch caches is not the engine's: measure the wake alone
             free_before_wake = memory(f"before wake {level}")
         start = time.time()
-        gv.push_weights(policy, sampler, args.zero_stage, wake=level > 0)
+        vllm_engine.push_weights(policy, sampler, args.zero_stage, wake=level > 0)
         push_s = time.time() - start
         if level:
             taken = free_before_wake - memory(f"after wake {level}")

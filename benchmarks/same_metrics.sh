@@ -5,8 +5,8 @@
 #   bash benchmarks/same_metrics.sh /tmp/before . runs/same_metrics
 # ALLOW_NEW=1: metrics only the after side logs (a change that adds metrics) are listed, not a failure.
 # ONLY="aent_mb2 aent_z3_2p": run only these configurations.
-# 13 configurations: each method, the single-update path (no log-prob pass), a reference-KL run, the reference's
-# micro-batch Cov scope, ZeRO-3 on 2 ranks, token selection; 6 steps each, evaluation (greedy + 4 samples) at steps 0, 3, 6.
+# 15 configurations: each method, the single-update path (no log-prob pass), a reference-KL run, the reference's
+# micro-batch Cov scope, ZeRO-3 on 2 ranks, token selection, a rollout rank (s = 0; AEnt: s = 1 under ZeRO-3); 6 steps each, evaluation (greedy + 4 samples) at steps 0, 3, 6.
 set -uo pipefail
 if [ $# -lt 2 ]; then echo "usage: bash benchmarks/same_metrics.sh BEFORE_CHECKOUT AFTER_CHECKOUT [OUT]" >&2; exit 2; fi
 BEFORE=$(realpath "$1"); AFTER=$(realpath "$2"); OUT=$(realpath -m "${3:-runs/same_metrics}")
@@ -36,6 +36,8 @@ CONFIGS=(
   "aent_z3_2p 2 grpo_aent.py --num-mini-batches 2 --zero-stage 3 --no-use-vllm --micro-batch-size 16 $AENT"
   "vanilla_top20 1 grpo_vanilla.py --num-mini-batches 2 --top-entropy-quantile 0.2"
   "entadv_mb2 1 grpo_entadv.py --num-mini-batches 2 --top-entropy-quantile 0.5"
+  "vanilla_rr 2 grpo_vanilla.py --num-mini-batches 2 --rollout-ranks 1"
+  "aent_rr_s1 2 grpo_aent.py --num-mini-batches 2 --rollout-ranks 1 --max-staleness 1 --zero-stage 3 $AENT"
 )
 failed=0
 for config in "${CONFIGS[@]}"; do

@@ -2,7 +2,7 @@
 DeepSpeed engine; `ds_probe.py CHECKS MODEL_DIR STAGE` runs the comma-separated checks in turn. `load`: the model is
 built partitioned (each rank holds its shards from the start) with exactly the checkpoint's weights, and torch's
 linear is left alone. `bf16`: the GPU config (bf16 weights) accumulates and reduces gradients in fp32, and the first
-step allocates what utils.run.later_training_bytes assumes (Adam's moments, ZeRO-2's gradient partition). `bucket`:
+step allocates what utils.models.later_training_bytes assumes (Adam's moments, ZeRO-2's gradient partition). `bucket`:
 with overlap_comm on (as on GPUs) and a reduce bucket smaller than the embedding, whose gradient then takes
 DeepSpeed's oversized-gradient path (ZeRO-2), the same update as with the default bucket."""
 
@@ -17,13 +17,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deepspeed  # noqa: E402
 
 from grpo_vanilla import Args  # noqa: E402
-from utils import run  # noqa: E402
+from utils import distributed, models  # noqa: E402
 
 
 def train(args, config, rank: int, sizes: list) -> tuple:
     """Two updates of two micro-batches each: (grad norm, gathered weights); reduced tensor sizes go to `sizes`."""
     torch.manual_seed(0)
-    model = run.load_model(args, torch.float32, config)
+    model = models.load_model(args, torch.float32, config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     policy = deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
     if hasattr(policy.optimizer, "average_tensor"):  # ZeRO-2's reduction of one bucket, or of one oversized gradient
@@ -41,7 +41,7 @@ def train(args, config, rank: int, sizes: list) -> tuple:
 
 def check_load(args, model_dir: str, rank: int, world_size: int) -> None:
     linear = torch.nn.functional.linear
-    model = run.load_model(args, torch.float32, run.deepspeed_config(args, False, 1))
+    model = models.load_model(args, torch.float32, models.deepspeed_config(args, False, 1))
     assert torch.nn.functional.linear is linear, "zero.Init replaced torch.nn.functional.linear for the process"
     saved = load_file(os.path.join(model_dir, "model.safetensors"))
     for name, param in model.named_parameters():
@@ -51,8 +51,8 @@ def check_load(args, model_dir: str, rank: int, world_size: int) -> None:
 
 
 def check_bucket(args, model_dir: str, rank: int, world_size: int) -> None:
-    default, sizes = run.deepspeed_config(args, False, 2), []
-    small = run.deepspeed_config(args, False, 2)
+    default, sizes = models.deepspeed_config(args, False, 2), []
+    small = models.deepspeed_config(args, False, 2)
     small["zero_optimization"] |= {"reduce_bucket_size": 1000, "allgather_bucket_size": 1000, "overlap_comm": True}
     norm_a, weights_a = train(args, default, rank, [])
     norm_b, weights_b = train(args, small, rank, sizes)
@@ -65,8 +65,8 @@ def check_bucket(args, model_dir: str, rank: int, world_size: int) -> None:
 
 def check_bf16(args, model_dir: str, rank: int, world_size: int) -> None:
     """The config a GPU gets (bf16 weights), on CPU."""
-    config = run.deepspeed_config(args, True, 2)
-    model = run.load_model(args, torch.bfloat16, config)
+    config = models.deepspeed_config(args, True, 2)
+    model = models.load_model(args, torch.bfloat16, config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     policy = deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
     assert policy.communication_data_type == torch.float32 and policy.get_data_types()[1] == torch.float32
@@ -80,7 +80,7 @@ def check_bf16(args, model_dir: str, rank: int, world_size: int) -> None:
         if micro == 1 and args.zero_stage == 2:  # the accumulated gradient partition, before the update consumes it
             grads = [t for ts in policy.optimizer.averaged_gradients.values() for t in ts if t is not None]
             assert {t.dtype for t in grads} == {torch.float32}, {t.dtype for t in grads}
-            grad_bytes = sum(t.numel() * 4 for t in grads)  # 4 bytes x n / ranks (run.later_training_bytes)
+            grad_bytes = sum(t.numel() * 4 for t in grads)  # 4 bytes x n / ranks (models.later_training_bytes)
             assert abs(grad_bytes - 4 * n / world_size) <= 0.02 * 4 * n / world_size, (grad_bytes, n)
         policy.step()
     assert policy.was_step_applied()
@@ -93,7 +93,7 @@ CHECKS = {"load": check_load, "bucket": check_bucket, "bf16": check_bf16}
 
 def main(modes: str, model_dir: str, stage: int) -> None:
     """The comma-separated checks in turn, in one pair of processes (`load` first: it checks process-wide state)."""
-    rank, _, world_size, _, _ = run.init_distributed()
+    rank, _, world_size, _, _ = distributed.init_distributed()
     args = Args(model_name_or_path=model_dir, zero_stage=stage, micro_batch_size=2)
     for mode in modes.split(","):
         CHECKS[mode](args, model_dir, rank, world_size)

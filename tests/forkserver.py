@@ -31,7 +31,7 @@ GRACE = 30  # seconds between SIGTERM and SIGKILL for the ranks left when one fa
 def preload():
     """Import what every run imports; nothing is computed, no thread or process group is started."""
     sys.path.insert(0, ROOT)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as utils/run.py import_vllm sets it
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as utils/vllm_engine.py import_vllm sets it
     import datasets  # noqa: F401
     import deepspeed  # noqa: F401
     import math_verify  # noqa: F401
@@ -41,8 +41,23 @@ def preload():
     import wandb  # noqa: F401
     from vllm import LLM  # noqa: F401
 
-    import utils.run  # noqa: F401
-    from utils import checkpoints, data, ops, reward, rollouts  # noqa: F401
+    from utils import (  # noqa: F401
+        batching,
+        checkpoints,
+        checks,
+        data,
+        distributed,
+        lifecycle,
+        models,
+        ops,
+        resume,
+        reward,
+        rollout_ranks,
+        rollout_server,
+        rollouts,
+        tracking,
+        vllm_engine,
+    )
 
     del sys.path[0]
 
@@ -126,7 +141,7 @@ def serve():
         out.flush()
         codes = wait_all(pids)
         # vLLM-CPU unlinks a tensor-parallel engine's shared memory in a C++ destructor at exit, which os._exit skips;
-        # utils/run.py name_vllm_cpu_shm names the segments after rank 0's pid
+        # utils/vllm_engine.py name_vllm_cpu_shm names the segments after rank 0's pid
         for path in glob.glob(f"/dev/shm/grpo-{pids[0]}-*"):
             os.remove(path)
         returncode = codes[0] if not request["nproc"] else int(any(codes))

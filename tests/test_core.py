@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import grpo_vanilla as gv
-from utils import run
+from utils import batching
 from utils.data import step_prompt_indices
 
 
@@ -106,7 +106,7 @@ def test_chunked_logprobs_entropy_without_grad_and_without_entropy():
 
 
 def test_collate_masks_response_tokens_only():
-    batch = run.collate([[5, 6], [7]], [[8, 9, 2], [4]], 0, "cpu")
+    batch = batching.collate([[5, 6], [7]], [[8, 9, 2], [4]], 0, "cpu")
     assert batch["input_ids"].tolist() == [[5, 6, 8, 9, 2], [7, 4, 0, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
     assert batch["response_mask"].tolist() == [[False, False, True, True, True], [False, True, False, False, False]]

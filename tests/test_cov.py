@@ -15,8 +15,10 @@ def test_both_scripts_share_the_covariance_and_the_gather():
     import inspect
 
     assert inspect.getsource(kc.token_covariance) == inspect.getsource(cc.token_covariance)
-    assert not hasattr(kc, "gather_ranks") and not hasattr(cc, "gather_ranks")  # both use utils.run.gather_ranks
-    assert "run.gather_ranks(" in inspect.getsource(kc) and "run.gather_ranks(" in inspect.getsource(cc)
+    assert not hasattr(kc, "gather_ranks") and not hasattr(
+        cc, "gather_ranks"
+    )  # both use utils.distributed.gather_ranks
+    assert "distributed.gather_ranks(" in inspect.getsource(kc) and "distributed.gather_ranks(" in inspect.getsource(cc)
 
 
 def test_token_covariance_is_centred_on_the_selection_set_and_detached():

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHANGED = {
     "grpo_aent.py": {
         "Args": [],
-        "validate_args": ["run.check_args(args, world_size, method_checks=[])"],
+        "validate_args": ["check_args(args, world_size, method_checks=[])"],
         "__main__": [
             "start_step, method_state = 0, {}",
             "logp, entropy, _ = logprobs(policy, batch, with_entropy=True)",
@@ -28,7 +28,7 @@ CHANGED = {
         "Args": [
             '"""optimizer updates per rollout batch and epoch (the batch is split into this many mini-batches)"""'
         ],
-        "validate_args": ["run.check_args(args, world_size, method_checks=[])"],
+        "validate_args": ["check_args(args, world_size, method_checks=[])"],
         "__main__": ["token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)"],
     },
     "grpo_clipcov.py": {
@@ -38,20 +38,20 @@ CHANGED = {
             "clip_eps_high: float = 0.2",
             '"""PPO upper clip: ratio <= 1 + eps_high (DAPO\'s clip-higher: 0.28)"""',
         ],
-        "validate_args": ["run.check_args(args, world_size, method_checks=[])"],
+        "validate_args": ["check_args(args, world_size, method_checks=[])"],
         "__main__": [],
     },
     "grpo_entadv.py": {
         "Args": [],
-        "validate_args": ["run.check_args(args, world_size, method_checks=[])"],
+        "validate_args": ["check_args(args, world_size, method_checks=[])"],
         "__main__": ["logp, entropy, _ = logprobs(policy, batch, with_entropy=train_entropy)"],
     },
 }
 # a method file not listed above (a user's own): its Args and validate_args may only add lines (the flags, the
-# method's checks before run.check_args); its main loop is not checked line by line (None)
+# method's checks before check_args); its main loop is not checked line by line (None)
 NEW_METHOD = {
     "Args": [],
-    "validate_args": ["run.check_args(args, world_size, method_checks=[])"],
+    "validate_args": ["check_args(args, world_size, method_checks=[])"],
     "__main__": None,
 }
 SCRIPTS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "grpo_*.py")))

@@ -168,7 +168,7 @@ def test_single_update_reads_old_logprobs_from_the_training_forward(testbed, tmp
 def test_an_error_after_vllm_is_imported_is_still_one_line():
     """import_vllm freezes the heap out of the garbage collector's reach; an error exit before the engine's shutdown
     must still end with its one line (not with nanobind's exit-time report of the objects a frozen heap keeps)."""
-    code = "from utils import run; run.import_vllm(); raise SystemExit('error: after vLLM')"
+    code = "from utils import vllm_engine; vllm_engine.import_vllm(); raise SystemExit('error: after vLLM')"
     env = {**os.environ, **CPU_ENV}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == "error: after vLLM", proc.stderr[-2000:]

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import grpo_vanilla as gv
-from utils import run
+from utils import batching
 
 
 def test_packed_and_padded_sequences_give_the_same_logprobs_entropies_and_gradients(testbed):
@@ -19,7 +19,7 @@ def test_packed_and_padded_sequences_give_the_same_logprobs_entropies_and_gradie
     advantages = torch.tensor([1.0, -0.5, 0.25])
     results = []
     for packed in (False, True):
-        batch = run.collate(prompts, responses, 0, "cpu", advantages, packed)
+        batch = batching.collate(prompts, responses, 0, "cpu", advantages, packed)
         assert batch["input_ids"].shape == ((1, 37) if packed else (3, 14))
         model.zero_grad()
         logp, entropy, _ = gv.response_logprobs(model, batch, 0.7, 4, True)
@@ -33,5 +33,5 @@ def test_packed_and_padded_sequences_give_the_same_logprobs_entropies_and_gradie
     # float32 sums in another order (the packed row's shapes take other kernel blockings): the differences scale with
     # the gradient's size (entries up to ~30 here); measured <= 1.1e-6 of each tensor's largest entry (AVX-512 Xeon)
     assert all(torch.allclose(a, b, rtol=0, atol=1e-5 * a.abs().max()) for a, b in zip(grads_a, grads_b))
-    empty = run.collate([], [], 0, "cpu", torch.zeros(0), True)  # an empty micro-batch: one token, no response
+    empty = batching.collate([], [], 0, "cpu", torch.zeros(0), True)  # an empty micro-batch: one token, no response
     assert all(x.numel() == 0 for x in gv.response_logprobs(model, empty, 1.0, 4, True))

@@ -67,5 +67,5 @@ def test_a_dying_rollout_rank_stops_the_job_with_one_line(testbed, tmp_path):
 
 def assert_one_line_each(stderr: str, ranks: int) -> None:
     """Each rank left ends with one "error:" line: one blocked on the rollout link names the rank that stopped, one in a
-    DeepSpeed collective says that a process has ended (utils/run.py one_line_when_a_peer_is_gone); no traceback."""
+    DeepSpeed collective says that a process has ended (distributed.one_line_when_a_peer_is_gone); no traceback."""
     assert stderr.count("error: ") == ranks and "Traceback" not in stderr, stderr[-3000:]

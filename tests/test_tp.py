@@ -35,7 +35,7 @@ def test_tensor_parallel_groups_generate_each_ranks_own_prompts(testbed, tmp_pat
     one process with its own engine, and the engines follow the trainer after every weight push."""
     flags = {**FLAGS, "eval-dataset": testbed.test_file, "vllm-tensor-parallel-size": 2, "zero-stage": zero}
     # the shared-memory segments a killed TP job leaves under vLLM's own names for rank 0-1's group: this job's engine
-    # names its own (utils/run.py name_vllm_cpu_shm), so it starts anyway
+    # names its own (utils/vllm_engine.py name_vllm_cpu_shm), so it starts anyway
     stale = [f"/dev/shm/-tp:0-[0-1]-cpushm_{r}" for r in (0, 1)]
     made = [path for path in stale if not os.path.exists(path)]
     for path in made:

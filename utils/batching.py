@@ -1,0 +1,71 @@
+"""A step's samples as micro-batches: which samples go together (fixed counts or a token budget), and their collation
+into padded or packed rows."""
+
+import torch
+import torch.distributed as dist
+
+
+def micro_batches(sizes: list, args, device):
+    """This rank's micro-batches, as lists of sample indices (`sizes`: each sample's prompt + response tokens), and
+    the range of them that makes each optimizer mini-batch. Mini-batch m holds samples [m L, (m + 1) L), L = samples /
+    --num-mini-batches, split into --micro-batch-size consecutive samples; or, with --max-tokens-per-micro-batch N,
+    into as few groups of at most N tokens as first-fit decreasing finds, padded with empty micro-batches to the most
+    any rank needs (every rank runs as many forward and backward passes: ZeRO gathers or reduces in each)."""
+    size, budget = len(sizes) // args.num_mini_batches, args.max_tokens_per_micro_batch
+    minis = [range(m * size, (m + 1) * size) for m in range(args.num_mini_batches)]
+    if not budget:
+        groups = [
+            [list(mini[s : s + args.micro_batch_size]) for s in range(0, size, args.micro_batch_size)] for mini in minis
+        ]
+    else:
+        groups = []
+        for mini in minis:
+            bins, loads = [], []
+            for k in sorted(mini, key=lambda k: -sizes[k]):  # longest first; a stable sort: ties in sample order
+                fit = next((b for b, load in enumerate(loads) if load + sizes[k] <= budget), len(bins))
+                if fit == len(bins):
+                    bins.append([])
+                    loads.append(0)
+                bins[fit].append(k)
+                loads[fit] += sizes[k]
+            groups.append([sorted(b) for b in bins])
+        counts = torch.tensor([len(g) for g in groups], device=device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        groups = [g + [[] for _ in range(int(n) - len(g))] for g, n in zip(groups, counts.tolist())]
+    starts = [sum(map(len, groups[:m])) for m in range(len(groups) + 1)]
+    return [b for g in groups for b in g], [range(starts[m], starts[m + 1]) for m in range(len(groups))]
+
+
+def collate(prompts: list, responses: list, pad_id: int, device, advantages=None, packed=False, index=None) -> dict:
+    """Prompt+response sequences, right-padded rows with their attention mask, or `packed`: one row without padding,
+    positions restarting per sequence; the response mask, the response lengths (CPU), given one advantage per
+    sequence each response token's, and `index` (the samples' positions in the step). No sequences: a one-token row
+    without response (an empty micro-batch)."""
+    rows = [p + r for p, r in zip(prompts, responses)] or [[pad_id]]
+    masks = [[False] * len(p) + [True] * len(r) for p, r in zip(prompts, responses)] or [[False]]
+    positions = [list(range(len(row))) for row in rows]
+    if packed:
+        rows, masks, positions = ([[x for row in part for x in row]] for part in (rows, masks, positions))
+    width = max(map(len, rows))
+
+    def padded(values: list, fill) -> torch.Tensor:
+        return torch.tensor([v + [fill] * (width - len(v)) for v in values])
+
+    batch = {"input_ids": padded(rows, pad_id), "response_mask": padded(masks, False)}
+    if packed:  # no attention mask: transformers tells the sequences apart by their restarting positions
+        batch["position_ids"] = padded(positions, 0)
+    else:
+        batch["attention_mask"] = padded([[1] * len(row) for row in rows], 0)
+    lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
+    batch = {key: tensor.to(device) for key, tensor in batch.items()} | {"lengths": lengths, "index": index}
+    if advantages is not None:
+        batch["advantages"] = advantages.to(device).repeat_interleave(lengths.to(device))
+    return batch
+
+
+def in_sample_order(batches: list, mb: range) -> torch.Tensor:
+    """The permutation that puts the concatenated tokens of collated micro-batches `batches[i] for i in mb` in sample
+    order (the order of fixed micro-batches), so that a selection over them does not depend on how samples are
+    grouped (the Cov methods' global scope)."""
+    samples = [torch.tensor(batches[i]["index"], dtype=torch.long).repeat_interleave(batches[i]["lengths"]) for i in mb]
+    return torch.cat(samples).argsort(stable=True)

@@ -1,0 +1,94 @@
+"""Process setup and collectives, shared by the method scripts and utils/: torch.distributed through DeepSpeed (one
+line, not a traceback, when a peer process is gone), sums and gathers over the ranks, the tensor-parallel groups of the
+vLLM engines."""
+
+import importlib
+import os
+import sys
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+from . import rollout_ranks
+from .versions import too_old
+
+
+def init_distributed(rollout_ranks_: int = 0):
+    """(rank, local_rank, world_size, device, on_gpu) of this process, torch.distributed initialised through DeepSpeed.
+
+    Without a launcher (`python grpo_vanilla.py`) it is a world of one process. With `rollout_ranks_` > 0 the last
+    ones of the launch only generate (utils/rollout_ranks.py): world_size counts the trainers, and a rollout rank's
+    rank is its rank in the launch (>= world_size).
+    """
+    if problem := too_old():  # a one-line error, not a crash deep in a library
+        raise SystemExit(f"error: {problem}")
+    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    accelerator = get_accelerator()
+    on_gpu = accelerator.device_name() != "cpu"
+    if on_gpu:
+        accelerator.set_device(local_rank)
+        device = torch.device(accelerator.device_name(), local_rank)
+    else:  # DeepSpeed would compile a shared-memory comm op (~25 s) that gloo does not need
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        device = torch.device("cpu")
+    launch_size = world_size
+    if rollout_ranks_:  # two torch.distributed worlds, the trainers' and the rollout ranks'
+        world_size = rollout_ranks.split_world(rollout_ranks_, accelerator.communication_backend_name(), device)
+    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
+    if launch_size > 1:
+        one_line_when_a_peer_is_gone(rank)
+    return rank, local_rank, world_size, device, on_gpu
+
+
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
+"""gloo's and NCCL's words for a send or collective whose peer process has ended"""
+
+
+def one_line_when_a_peer_is_gone(rank: int) -> None:
+    """A process whose collective fails because another process of the launch has ended (killed, or stopped by its own
+    error, which it printed) ends with one line, not torch.distributed's traceback of the collective; any other
+    uncaught exception keeps its traceback."""
+    previous = sys.excepthook  # torch.distributed's: each line prefixed with [rank<n>]
+
+    def hook(kind, error, traceback):
+        if isinstance(error, RuntimeError) and any(words in str(error) for words in PEER_GONE):
+            why = rollout_ranks.reason(error)
+            print(f"error: another process of the launch has ended ({why}); rank {rank} stops too", file=sys.stderr)
+        else:
+            previous(kind, error, traceback)
+
+    sys.excepthook = hook
+
+
+def all_reduce_sums(values: dict, device) -> dict:
+    """Sum every value (a number, or a one-element tensor on the device) over all ranks, keys in a fixed order on
+    every rank: one collective and one read of the results, so statistics can stay on the device until then."""
+    keys = sorted(values)
+    tensor = torch.stack([torch.as_tensor(values[k], dtype=torch.float64, device=device).reshape(()) for k in keys])
+    dist.all_reduce(tensor)
+    return dict(zip(keys, tensor.tolist()))
+
+
+def gather_ranks(x: torch.Tensor):
+    """Concatenate x (any first-dim length) over all ranks in rank order; also return where this rank's rows start."""
+    size = torch.tensor([x.shape[0]], device=x.device)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, size)
+    sizes = [int(n) for n in sizes]
+    parts = [x.new_empty((max(sizes), *x.shape[1:])) for _ in sizes]
+    dist.all_gather(parts, torch.cat([x, x.new_zeros((max(sizes) - x.shape[0], *x.shape[1:]))]))
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)]), sum(sizes[: dist.get_rank()])
+
+
+def tensor_parallel_group(tp: int):
+    """This rank's process group of the tp consecutive ranks that share one vLLM engine (None when tp is 1, and on
+    trainers beside rollout ranks); every rank creates every group, in the same order, as torch.distributed requires."""
+    if tp == 1 or rollout_ranks.trains():
+        return None
+    groups = [dist.new_group(list(range(g, g + tp))) for g in range(0, dist.get_world_size(), tp)]
+    return groups[dist.get_rank() // tp]

@@ -1,0 +1,86 @@
+"""A run's life between its steps and at its end: the stop signal agreed by every rank, heap trimming, the stop
+after consecutive non-finite gradients, and the shutdown of the engines and process groups."""
+
+import ctypes
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoints, rollout_ranks
+from .vllm_engine import close_engine
+
+
+class StopSignal:
+    """SIGTERM (schedulers send it before preemption) and SIGINT set a flag; the loop checkpoints, then exits."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._request)
+        signal.signal(signal.SIGINT, self._request)
+
+    def _request(self, signum, frame):
+        self.requested = True
+
+    def agreed(self, device) -> bool:
+        """Whether any rank got a signal (a collective: every rank calls it at the same point)."""
+        flag = torch.tensor([float(self.requested or rollout_ranks.stop_requested())], device=device)
+        dist.all_reduce(flag)
+        self.requested = bool(flag.item())
+        return self.requested
+
+
+class HeapTrim:
+    """glibc keeps freed heap pages (fragmentation): without handing them back, RSS creeps up ~0.2 MB per step.
+    At most once a minute: the pages a step frees are touched again the next step."""
+
+    def __init__(self, every_s: float = 60.0):
+        try:
+            self.malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc
+            self.malloc_trim = None
+        self.every_s, self.last = every_s, time.time()
+
+    def __call__(self) -> None:
+        if self.malloc_trim is not None and time.time() - self.last > self.every_s:
+            self.malloc_trim(0)
+            self.last = time.time()
+
+
+def check_bad_steps(bad_steps: int, max_bad_steps: int, run_dir: str, tracker) -> None:
+    """Stop with one line after max_bad_steps consecutive steps with a non-finite gradient (DeepSpeed skipped those
+    updates on every rank: the weights are still finite), naming the newest checkpoint and the metrics."""
+    if bad_steps >= max_bad_steps:
+        raise SystemExit(
+            f"error: {bad_steps} consecutive steps had a non-finite gradient (updates skipped, weights still "
+            f"finite); newest checkpoint: {checkpoints.latest(run_dir)}; metrics: {tracker.path}"
+        )
+
+
+def shutdown(sampler) -> None:
+    """The end of a run: the vLLM engine shut down explicitly (close_engine; the rollout ranks' stop), then the
+    process groups it left."""
+    if isinstance(sampler, rollout_ranks.Engine):
+        sampler.close()
+    elif sampler is not None:
+        close_engine(sampler)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def finish(engine, tokenizer, run_dir: str, args, rank: int, tracker, stopped_at=None) -> None:
+    """End of training: the trained policy in HF format under run_dir/final (loads in transformers and vLLM), or
+    after a stop signal at step `stopped_at` the command that resumes; then wandb's end, on every rank together."""
+    if stopped_at is not None:
+        if rank == 0:
+            print(f"stopped by signal after step {stopped_at}; resume with --resume {run_dir}")
+    else:
+        zero3 = args.zero_stage == 3
+        state_dict = engine._zero3_consolidated_16bit_state_dict() if zero3 else engine.module.state_dict()
+        if rank == 0:
+            engine.module.save_pretrained(os.path.join(run_dir, "final"), state_dict=state_dict)
+            tokenizer.save_pretrained(os.path.join(run_dir, "final"))
+    tracker.finish()
+    dist.barrier()

@@ -1,0 +1,91 @@
+"""A rollout rank's life with --rollout-ranks (utils/rollout_ranks.py: the split world, the trainers' Engine, the
+messages): it starts its part of a vLLM engine and runs trainer 0's commands until "stop", collecting the batches of
+the trainer ranks it plays (utils/rollouts.py collect_for, the script's generate), loading weights, generating for
+evaluation; a sender thread delivers the batches while it generates the next ones. Knows no method."""
+
+import os
+import sys
+import threading
+from queue import Queue
+
+import torch
+import torch.distributed as dist
+
+from . import rollout_ranks as rr
+from . import rollouts
+from .distributed import tensor_parallel_group
+from .lifecycle import StopSignal, shutdown
+from .vllm_engine import make_sampler
+
+
+class _Sender(threading.Thread):
+    """Sends queued (trainer rank, message) pairs in order, so that the rollout rank goes on generating."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.queue = Queue()
+        self.start()
+
+    def run(self):
+        while (item := self.queue.get()) is not None:
+            try:
+                rr.send(item[1], item[0], rr.world().bridge)
+            except RuntimeError as e:
+                print(rr.failed(f"trainer rank {item[0]}", e).code, file=sys.stderr, flush=True)
+                os._exit(1)
+
+    def close(self):
+        self.queue.put(None)
+        self.join()
+
+
+def serve(args, generate, tokenizer, train_data: list, grading_workers: int) -> None:
+    """A rollout rank's life: start its part of an engine (vllm_engine.make_sampler), then run trainer 0's commands
+    until "stop": collect a step's batch for the trainer ranks it plays (the script's `generate` samples), load
+    weights, generate for an evaluation. Exits the process at the end."""
+    world = rr.world()
+    rank, on_gpu = dist.get_rank(), world.device.type == "cuda"
+    T, K, tp = world.trainers, world.rollouts, args.vllm_tensor_parallel_size
+    played = list(range(rank, T, K))  # trainer ranks whose batches this rank generates and sends
+    engine = make_sampler(args, rank, on_gpu)
+    group = tensor_parallel_group(tp)  # the rollout ranks sharing this rank's engine
+    stop = StopSignal()
+    sender, consumed = _Sender(), 0
+
+    def sample(prompts, seeds):
+        return generate(args, engine, None, tokenizer, prompts, seeds, args.group_size, False, group)
+
+    while True:
+        try:
+            kind, payload = rr.broadcast(None, world.link)
+        except RuntimeError as e:
+            raise rr.failed("trainer rank 0", e)
+        if kind == "stop":
+            break
+        if kind == "begin":
+            consumed = payload
+        elif kind == "collect":
+            consumed, parts = rollouts.collect_for(
+                args, consumed, train_data, tokenizer, sample, grading_workers, played, T
+            )
+            for r in played:
+                sender.queue.put((r, ("batch", parts[r], stop.requested)))
+        elif kind == "weights":  # (name, shape, dtype) then the tensor, until None
+            while (header := rr.broadcast(None, world.link)) is not None:
+                name, shape, dtype = header
+                tensor = rr.broadcast(None, world.weights, torch.empty(shape, dtype=dtype, device=world.device))
+                engine.apply_model(lambda model: model.load_weights([(name, tensor)]))  # noqa: B023 (called at once)
+            engine.reset_prefix_cache()
+        elif kind == "generate":  # evaluation: each trainer's requests, on the engine of the rank that plays it
+            mine = [r for r in range(T) if (r % K) // tp == rank // tp]  # the trainers of this rank's engine
+            inputs = [x for r in mine for x in payload[r][0]]
+            outputs = engine.generate(inputs, [x for r in mine for x in payload[r][1]], use_tqdm=False)
+            first = 0
+            for r in mine:
+                n = len(payload[r][0])
+                if r % K == rank:
+                    sender.queue.put((r, ("outputs", outputs[first : first + n], stop.requested)))
+                first += n
+    sender.close()
+    shutdown(engine)
+    raise SystemExit(0)

