@@ -1,5 +1,5 @@
 """GPU throughput of the pieces of a GRPO step at Qwen2.5-1.5B's real dimensions (random weights, built from a config:
-no download), through the scripts' own functions (utils.models.make_policy, grpo_vanilla.response_logprobs,
+no download), through the scripts' own functions (utils.models.make_policy, utils.logprobs.response_logprobs,
 ppo_clip_loss, make_sampler, push_weights). Meant to finish in under 5 minutes on one H200 (not yet run on one).
 
     python benchmarks/bench_gpu.py                  # one GPU: single process, DeepSpeed ZeRO-2 bf16 on NCCL
@@ -131,7 +131,7 @@ def main():
     from bench_logprob_memory import measure as logprob_pass
 
     import grpo_vanilla as gv
-    from utils import batching, distributed, models, vllm_engine
+    from utils import batching, distributed, logprobs, models, vllm_engine
 
     _, _, _, device, on_gpu = distributed.init_distributed()
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -170,7 +170,7 @@ def main():
             batch = batching.collate(
                 prompts[s : s + a.micro_batch_size], responses[s : s + a.micro_batch_size], 0, device
             )
-            logp, _, _ = gv.response_logprobs(engine, batch, 1.0, a.chunk_size, False)
+            logp, _, _ = logprobs.response_logprobs(engine, batch, 1.0, a.chunk_size, False)
             adv = advantages[s : s + a.micro_batch_size].to(device).repeat_interleave(R)
             loss, _ = gv.ppo_clip_loss(logp, logp.detach(), adv, 0.2, 0.2)
             engine.backward(loss.sum() / n_tokens * grad_accum)
@@ -212,7 +212,7 @@ def main():
 
         def mixed_step(batches=batches):
             for i, batch in enumerate(batches):
-                logp, _, _ = gv.response_logprobs(engine, batch, 1.0, a.chunk_size, False)
+                logp, _, _ = logprobs.response_logprobs(engine, batch, 1.0, a.chunk_size, False)
                 loss, _ = gv.ppo_clip_loss(logp, logp.detach(), batch["advantages"], 0.2, 0.2)
                 engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
                 engine.backward(loss.sum() / sum(lengths) * grad_accum)

@@ -1,5 +1,5 @@
 """The log-prob / entropy pass at Qwen2.5's real sizes (vocabulary 151,936, hidden 1536, random weights), forward +
-backward: ours (grpo_vanilla.chunked_logprobs_entropy, the head run --chunk-size tokens at a time and recomputed in
+backward: ours (utils.logprobs.chunked_logprobs_entropy, the head run --chunk-size tokens at a time and recomputed in
 the backward) against the naive pass (full [tokens, vocab] float32 logits, log_softmax, entropy from them).
 
     python benchmarks/bench_logprob_memory.py                                  # CPU: 1k, 4k, 16k tokens, --max-gb 7
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo_vanilla import chunked_logprobs_entropy  # noqa: E402
+from utils.logprobs import chunked_logprobs_entropy  # noqa: E402
 
 
 def naive_logprobs_entropy(hidden, head, targets):

@@ -275,8 +275,8 @@ def token_entropies(model, prompts: list, responses: list, args: Args, device, p
     --entropy-temperature, via the training script's chunked head: no [batch, time, vocab] tensor is built."""
     import torch
 
-    from grpo_vanilla import response_logprobs
     from utils.batching import collate
+    from utils.logprobs import response_logprobs
 
     result = [np.zeros(0, dtype=np.float32)] * len(responses)
     todo = [i for i, r in enumerate(responses) if r]

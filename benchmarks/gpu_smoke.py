@@ -468,12 +468,13 @@ def probe(argv: list) -> None:
 
 
 def kernels(a) -> None:
-    """SMOKE lines: the chunked log-prob / entropy pass (grpo_*.chunked_logprobs_entropy, chunks recomputed in the
-    backward) and AEnt's clamped entropy as grpo_aent.py calls it, on this device and the logits' training dtype,
+    """SMOKE lines: the chunked log-prob / entropy pass (utils/logprobs.py, chunks recomputed in the backward)
+    and AEnt's clamped entropy as grpo_aent.py calls it, on this device and the logits' training dtype,
     against float64 on the CPU from the same logits; values and the gradient of a random combination."""
     import torch
 
     import grpo_aent as ga
+    from utils.logprobs import chunked_logprobs_entropy
 
     on_gpu = not a.cpu and torch.cuda.is_available()
     hw, device = ("gpu", torch.device("cuda", 0)) if on_gpu else ("cpu", torch.device("cpu"))
@@ -489,7 +490,7 @@ def kernels(a) -> None:
     def ours(extra, weights):
         """(outputs, gradient) of sum(weights . outputs) through the chunked pass; the head copies the logits."""
         z = logits.clone().to(device).requires_grad_()
-        outs = ga.chunked_logprobs_entropy(z, torch.clone, targets.to(device), temperature, chunk, True, None, extra)
+        outs = chunked_logprobs_entropy(z, torch.clone, targets.to(device), temperature, chunk, True, None, extra)
         sum((o.float() * x.to(device)).sum() for o, x in zip(outs, weights) if x is not None).backward()
         return [o.detach().double().cpu() for o in outs], z.grad.double().cpu()
 
@@ -540,7 +541,7 @@ def in_process(a) -> None:
     from bench_gpu import QWEN25_15B, TINY, build_model_dir
 
     import grpo_vanilla as gv
-    from utils import batching, distributed, models, vllm_engine
+    from utils import batching, distributed, logprobs, models, vllm_engine
 
     def say(line: str) -> None:
         print(f"SMOKE {line}", flush=True)
@@ -603,7 +604,9 @@ def in_process(a) -> None:
     def trainer_logprobs(batches):
         with torch.no_grad():
             return [
-                gv.response_logprobs(policy, batching.collate(p, [x.ids for x in b], 0, device), 1.0, 1024, False)[0]
+                logprobs.response_logprobs(
+                    policy, batching.collate(p, [x.ids for x in b], 0, device), 1.0, 1024, False
+                )[0]
                 for p, b in batches
             ]
 
@@ -615,7 +618,7 @@ def in_process(a) -> None:
         n_tokens = sum(len(x.ids) for _, b in batches for x in b)
         for p, b in batches:
             batch = batching.collate(p, [x.ids for x in b], 0, device)
-            logp = gv.response_logprobs(policy, batch, 1.0, 1024, False)[0]
+            logp = logprobs.response_logprobs(policy, batch, 1.0, 1024, False)[0]
             adv = torch.randn(len(b), generator=g).to(device).repeat_interleave(batch["lengths"].to(device))
             loss, _ = gv.ppo_clip_loss(logp, logp.detach(), adv, 0.2, 0.2)
             policy.backward(loss.sum() / n_tokens * len(batches))

@@ -10,7 +10,7 @@ import torch
 from launch import read_metrics, run_dir, run_script, script_flags, trainer_state
 
 import grpo_aent as ga
-from utils import ops
+from utils import logprobs, ops
 from utils.data import step_prompt_indices
 
 
@@ -130,7 +130,9 @@ def test_chunked_pass_returns_the_clamped_entropy_with_gradient(num_chunks):
     def clamp(logits):  # as grpo_aent.py passes it: the clamped entropy at the temperature, per chunk of logits
         return ga.clamped_entropy(logits.float() / 0.7, 0.33)
 
-    logp, entropy, clamped = ga.chunked_logprobs_entropy(hidden, head, targets, 0.7, 5, False, num_chunks, extra=clamp)
+    logp, entropy, clamped = logprobs.chunked_logprobs_entropy(
+        hidden, head, targets, 0.7, 5, False, num_chunks, extra=clamp
+    )
     ((logp * up_logp).sum() + (clamped * up_clamped).sum()).backward()
     grads = hidden.grad.clone(), head.weight.grad.clone()
     hidden.grad, head.weight.grad = None, None
@@ -142,9 +144,11 @@ def test_chunked_pass_returns_the_clamped_entropy_with_gradient(num_chunks):
     assert torch.allclose(logp, naive_logp, atol=1e-5) and torch.allclose(clamped, naive_clamped, atol=1e-5)
     assert torch.allclose(grads[0], hidden.grad, atol=1e-5) and torch.allclose(grads[1], head.weight.grad, atol=1e-5)
     with torch.no_grad():  # the no-grad pass reports both entropies; without clamp_p the third output is zeros
-        _, full, clamped_nograd = ga.chunked_logprobs_entropy(hidden, head, targets, 0.7, 5, True, num_chunks, clamp)
+        _, full, clamped_nograd = logprobs.chunked_logprobs_entropy(
+            hidden, head, targets, 0.7, 5, True, num_chunks, clamp
+        )
         assert torch.allclose(clamped_nograd, clamped) and (full >= clamped_nograd - 1e-6).all()
-        assert torch.equal(ga.chunked_logprobs_entropy(hidden, head, targets, 0.7, 5)[2], torch.zeros(23))
+        assert torch.equal(logprobs.chunked_logprobs_entropy(hidden, head, targets, 0.7, 5)[2], torch.zeros(23))
 
 
 BOX = {"low": 0.15, "high": 0.24, "lr": 0.002, "reg": 0.0, "init_coef": 0.002, "coef_min": 6e-4, "coef_max": 9e-3}

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import grpo_vanilla as gv
-from utils import batching
+from utils import batching, logprobs
 from utils.data import step_prompt_indices
 
 
@@ -81,7 +81,7 @@ def test_chunked_logprobs_entropy_equal_naive_values_and_gradients(temperature, 
     targets = torch.randint(0, 50, (23,))
     upstream_lp, upstream_h = torch.randn(23), torch.randn(23)
 
-    logp, ent, _ = gv.chunked_logprobs_entropy(hidden, head, targets, temperature, chunk_size)
+    logp, ent, _ = logprobs.chunked_logprobs_entropy(hidden, head, targets, temperature, chunk_size)
     ((logp * upstream_lp).sum() + (ent * upstream_h).sum()).backward()
     grads = hidden.grad.clone(), head.weight.grad.clone()
     hidden.grad, head.weight.grad = None, None
@@ -100,7 +100,7 @@ def test_chunked_logprobs_entropy_without_grad_and_without_entropy():
     head = torch.nn.Linear(8, 11, bias=False)
     hidden, targets = torch.randn(5, 8), torch.randint(0, 11, (5,))
     with torch.no_grad():
-        logp, ent, _ = gv.chunked_logprobs_entropy(hidden, head, targets, 1.0, 2, with_entropy=False)
+        logp, ent, _ = logprobs.chunked_logprobs_entropy(hidden, head, targets, 1.0, 2, with_entropy=False)
     assert torch.allclose(logp, torch.log_softmax(head(hidden), -1).gather(-1, targets[:, None]).squeeze(-1), atol=1e-6)
     assert torch.equal(ent, torch.zeros(5))
 
@@ -158,8 +158,8 @@ def test_fixed_number_of_head_calls_gives_the_same_values():
     hidden, targets = torch.randn(5, 8), torch.randint(0, 13, (5,))
     calls = []
     head.register_forward_hook(lambda *_: calls.append(1))
-    logp, ent, _ = gv.chunked_logprobs_entropy(hidden, head, targets, 1.0, 4)
-    fixed_logp, fixed_ent, _ = gv.chunked_logprobs_entropy(hidden, head, targets, 1.0, 4, num_chunks=9)
+    logp, ent, _ = logprobs.chunked_logprobs_entropy(hidden, head, targets, 1.0, 4)
+    fixed_logp, fixed_ent, _ = logprobs.chunked_logprobs_entropy(hidden, head, targets, 1.0, 4, num_chunks=9)
     assert len(calls) == 2 + 9
     assert torch.allclose(logp, fixed_logp) and torch.allclose(ent, fixed_ent)
 
@@ -170,7 +170,7 @@ def test_logprob_entropy_backward_is_the_exact_gradient(temperature, with_entrop
     torch.manual_seed(0)
     z = torch.randn(6, 13, dtype=torch.float64, requires_grad=True)
     targets, u, w = torch.randint(0, 13, (6,)), torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
-    logp, entropy = gv._LogprobEntropy.apply(z * 1.0, targets, temperature, with_entropy)
+    logp, entropy = logprobs._LogprobEntropy.apply(z * 1.0, targets, temperature, with_entropy)
     (grad,) = torch.autograd.grad((u * logp + w * entropy).sum(), z)
     log_probs = torch.log_softmax(z / temperature, dim=-1)
     ref_logp, ref_entropy = log_probs.gather(-1, targets[:, None]).squeeze(-1), -(log_probs.exp() * log_probs).sum(-1)
@@ -178,7 +178,7 @@ def test_logprob_entropy_backward_is_the_exact_gradient(temperature, with_entrop
     assert torch.allclose(logp, ref_logp, atol=1e-12) and torch.allclose(grad, ref_grad, atol=1e-12)
     assert torch.allclose(entropy, ref_entropy, atol=1e-12) if with_entropy else not entropy.any()
     half = z.detach().bfloat16().requires_grad_()
-    logp, _ = gv._LogprobEntropy.apply(half * 1.0, targets, temperature, with_entropy)
+    logp, _ = logprobs._LogprobEntropy.apply(half * 1.0, targets, temperature, with_entropy)
     assert logp.dtype == torch.float32 and torch.autograd.grad(logp.sum(), half)[0].dtype == torch.bfloat16
 
 
@@ -188,7 +188,7 @@ def test_logprob_entropy_backward_with_one_output_outside_the_loss(used):
     torch.manual_seed(0)
     z = torch.randn(5, 11, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 11, (5,))
-    logp, entropy = gv._LogprobEntropy.apply(z * 1.0, targets, 0.8, True)
+    logp, entropy = logprobs._LogprobEntropy.apply(z * 1.0, targets, 0.8, True)
     (grad,) = torch.autograd.grad((logp if used == "logp" else entropy).sum(), z)
     log_probs = torch.log_softmax(z / 0.8, dim=-1)
     ref = log_probs.gather(-1, targets[:, None]).sum() if used == "logp" else -(log_probs.exp() * log_probs).sum()

@@ -5,8 +5,7 @@ scripts, each method packed on 2 ranks against fixed micro-batches: tests/test_s
 import torch
 from transformers import AutoModelForCausalLM
 
-import grpo_vanilla as gv
-from utils import batching
+from utils import batching, logprobs
 
 
 def test_packed_and_padded_sequences_give_the_same_logprobs_entropies_and_gradients(testbed):
@@ -22,7 +21,7 @@ def test_packed_and_padded_sequences_give_the_same_logprobs_entropies_and_gradie
         batch = batching.collate(prompts, responses, 0, "cpu", advantages, packed)
         assert batch["input_ids"].shape == ((1, 37) if packed else (3, 14))
         model.zero_grad()
-        logp, entropy, _ = gv.response_logprobs(model, batch, 0.7, 4, True)
+        logp, entropy, _ = logprobs.response_logprobs(model, batch, 0.7, 4, True)
         loss = (logp * batch["advantages"]).sum() + 0.1 * entropy.sum()
         loss.backward()
         grads = [p.grad.clone() for p in model.parameters()]
@@ -34,4 +33,4 @@ def test_packed_and_padded_sequences_give_the_same_logprobs_entropies_and_gradie
     # the gradient's size (entries up to ~30 here); measured <= 1.1e-6 of each tensor's largest entry (AVX-512 Xeon)
     assert all(torch.allclose(a, b, rtol=0, atol=1e-5 * a.abs().max()) for a, b in zip(grads_a, grads_b))
     empty = batching.collate([], [], 0, "cpu", torch.zeros(0), True)  # an empty micro-batch: one token, no response
-    assert all(x.numel() == 0 for x in gv.response_logprobs(model, empty, 1.0, 4, True))
+    assert all(x.numel() == 0 for x in logprobs.response_logprobs(model, empty, 1.0, 4, True))
