@@ -1,4 +1,4 @@
-"""Resumable checkpoints of the four method scripts, knowing no method: written atomically, with every file's size and
+"""Resumable checkpoints of the method scripts, knowing no method: written atomically, with every file's size and
 sha256 recorded; verified before a resume, falling back to the newest intact one; never written silently short (a full
 disk is a warning for a periodic checkpoint, a one-line error for the final one). Collective calls: every rank calls
 `save` and `find_intact` at the same point.
