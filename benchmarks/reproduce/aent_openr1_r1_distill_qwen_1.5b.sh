@@ -10,6 +10,7 @@
 #   SEEDS="1" METHODS="grpo_vanilla grpo_aent" bash ...                        # a subset
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source benchmarks/reproduce/aent_settings.bash  # AEnt's settings, its warm-up translated once
 
 SEEDS=${SEEDS:-"1 2 3"}
 METHODS=${METHODS:-"grpo_vanilla grpo_aent grpo_klcov grpo_clipcov"}
@@ -38,11 +39,8 @@ COMMON=(
 method_flags() {
   case "$1" in
     grpo_vanilla) echo "--clip-eps-low 0.2 --clip-eps-high 0.2" ;;
-    # coef_0, clamp_p, target box of the clamped entropy, coefficient step size and warm-up, coefficient clip; their
-    # warm-up 156 (one epoch) keeps coef_0 for steps 1-156 (updated when global_steps >= 156, counted from 1): ours 155
-    grpo_aent) echo "--clip-eps-low 0.2 --clip-eps-high 0.2 --clamp-p 0.25 --entropy-coef 3e-4
-                     --entropy-low 0.35 --entropy-high 0.62 --entropy-coef-lr 1e-4 --entropy-coef-warmup 155
-                     --entropy-coef-min 4e-5 --entropy-coef-max 1e-3" ;;
+    # coef_0, clamp_p, target box of the clamped entropy, coefficient step size and warm-up (theirs 156), its clip
+    grpo_aent) echo "--clip-eps-low 0.2 --clip-eps-high 0.2 $AENT_OPENR1" ;;
     # the Cov paper's 7B defaults (it has no 1.5B setting); KL-Cov uses no PPO clipping
     grpo_klcov) echo "--kl-cov-ratio 2e-3 --ppo-kl-coef 1" ;;
     grpo_clipcov) echo "--clip-cov-ratio 2e-4 --clip-cov-lb 1 --clip-cov-ub 5 --clip-eps-low 1 --clip-eps-high 1" ;;

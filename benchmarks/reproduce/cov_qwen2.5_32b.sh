@@ -11,6 +11,7 @@
 # the same environment and repository path, and OUT on a shared filesystem.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source benchmarks/reproduce/aent_settings.bash  # AEnt's settings, its warm-up translated once
 
 SEEDS=${SEEDS:-"1"}
 METHODS=${METHODS:-"grpo_vanilla grpo_vanilla_cliphigher grpo_klcov grpo_clipcov"}
@@ -48,9 +49,7 @@ method_flags() {
     # DAPO's clip-higher (32b_cliphigher.sh): grpo_vanilla.py, named apart (--exp-name) in compare.py and wandb
     grpo_vanilla_cliphigher) echo "--clip-eps-low 0.2 --clip-eps-high 0.28" ;;
     # AEnt published no 32B setting: its MATH run's values (the entropy box is model-specific: tune it)
-    grpo_aent) echo "--clip-eps-low 0.2 --clip-eps-high 0.2 --clamp-p 0.33 --entropy-coef 0.002
-                     --entropy-low 0.15 --entropy-high 0.24 --entropy-coef-lr 0.002 --entropy-coef-warmup 30
-                     --entropy-coef-min 6e-4 --entropy-coef-max 9e-3" ;;
+    grpo_aent) echo "--clip-eps-low 0.2 --clip-eps-high 0.2 $AENT_MATH" ;;
     # top 2e-4 of the tokens by covariance (their k_percent 0.02, in percent; 7B: 2e-3) get beta |logp - old_logp|,
     # beta 1; no PPO clipping; over the mini-batch of all ranks (theirs: per micro-batch and GPU)
     grpo_klcov) echo "--kl-cov-ratio 2e-4 --ppo-kl-coef 1" ;;

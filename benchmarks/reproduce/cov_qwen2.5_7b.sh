@@ -10,6 +10,7 @@
 #   SEEDS="1" METHODS="grpo_vanilla grpo_klcov" bash ...      # a subset (grpo_aent: AEnt's MATH values, not theirs)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source benchmarks/reproduce/aent_settings.bash  # AEnt's settings, its warm-up translated once
 
 SEEDS=${SEEDS:-"1 2 3"}
 METHODS=${METHODS:-"grpo_vanilla grpo_vanilla_cliphigher grpo_klcov grpo_clipcov"}
@@ -47,9 +48,7 @@ method_flags() {
     # DAPO's clip-higher (7b_cliphigher.sh): grpo_vanilla.py, named apart (--exp-name) in compare.py and wandb
     grpo_vanilla_cliphigher) echo "--clip-eps-low 0.2 --clip-eps-high 0.28" ;;
     # AEnt published no 7B setting: its MATH run's values (the entropy box is model-specific: tune it)
-    grpo_aent) echo "--clip-eps-low 0.2 --clip-eps-high 0.2 --clamp-p 0.33 --entropy-coef 0.002
-                     --entropy-low 0.15 --entropy-high 0.24 --entropy-coef-lr 0.002 --entropy-coef-warmup 30
-                     --entropy-coef-min 6e-4 --entropy-coef-max 9e-3" ;;
+    grpo_aent) echo "--clip-eps-low 0.2 --clip-eps-high 0.2 $AENT_MATH" ;;
     # top 2e-3 of the tokens by covariance (their k_percent 0.2, in percent) get beta |logp - old_logp|, beta 1; no PPO
     # clipping; selected over the mini-batch of all ranks (theirs: per micro-batch and GPU: --cov-scope microbatch)
     grpo_klcov) echo "--kl-cov-ratio 2e-3 --ppo-kl-coef 1" ;;

@@ -38,6 +38,7 @@
 #   DRY_RUN=1 bash ...           # print the commands only (the python helper steps: named on stderr)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source benchmarks/reproduce/aent_settings.bash  # AEnt's settings, its warm-up translated once
 
 SEEDS=${SEEDS:-"1"}
 METHODS=${METHODS:-"vanilla aent klcov clipcov"}  # short names or the scripts' (grpo_aent)
@@ -164,9 +165,7 @@ method_flags() {  # $METHOD_FLAGS_<script>, when set, replaces the flags below
   case "$1" in
     grpo_vanilla) echo "--clip-eps-low 0.2 --clip-eps-high 0.2" ;;
     # AEnt's MATH run (Qwen2.5-Math-1.5B); its entropy box is model-specific: check entropy/clamped of the first steps
-    grpo_aent) echo "--clip-eps-low 0.2 --clip-eps-high 0.2 --clamp-p 0.33 --entropy-coef 0.002
-                     --entropy-low 0.15 --entropy-high 0.24 --entropy-coef-lr 0.002 --entropy-coef-warmup 30
-                     --entropy-coef-min 6e-4 --entropy-coef-max 9e-3" ;;
+    grpo_aent) echo "--clip-eps-low 0.2 --clip-eps-high 0.2 $AENT_MATH" ;;
     # the Cov paper's 7B values (it has no 1.5B setting); KL-Cov uses no PPO clipping
     grpo_klcov) echo "--kl-cov-ratio 2e-3 --ppo-kl-coef 1" ;;
     grpo_clipcov) echo "--clip-cov-ratio 2e-4 --clip-cov-lb 1 --clip-cov-ub 5 --clip-eps-low 1 --clip-eps-high 1" ;;
