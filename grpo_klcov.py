@@ -142,7 +142,8 @@ class Args:
     """abort after this many consecutive steps with a non-finite gradient (DeepSpeed skips them on every rank)"""
     num_mini_batches: int = 4
     """optimizer updates per rollout batch and epoch (the batch is split into this many mini-batches).
-    KL-Cov needs >= 2: on the first, logp == old_logp, so its penalty and gradient are zero (paper: 8 of 32 prompts)"""
+    KL-Cov needs >= 2: on the first, logp == old_logp, so its penalty and gradient are zero (paper: 8 of 32 prompts)
+    (measured bitwise on the CPU testbed, padded, packed, ZeRO-3: the log-prob pass runs the same micro-batches)"""
     num_epochs: int = 1
     """passes over each rollout batch"""
     micro_batch_size: int = 4

@@ -28,8 +28,9 @@ run() {  # run a command, or only print it with DRY_RUN=1
 [ -e "$DATASET" ] || [ -n "${DRY_RUN:-}" ] || python benchmarks/reproduce/dapo_boxed.py --output "$DATASET"
 
 # shared by every configuration, as their scripts: 8 optimizer mini-batches per rollout batch (ppo_mini_batch_size 32
-# of 256; KL-Cov acts from the second on), dynamic sampling on accuracy, at most 10 generation rounds, overlong shaping
-# off, greedy evaluation every 4 steps (theirs: no step-0 evaluation; AIME/AMC rows sampled at T 0.6 when mixed with
+# of 256; KL-Cov acts from the second on: on the first its penalty is exactly 0, measured on the CPU testbed; theirs
+# recomputes the old log-probs in other micro-batches, not measured), dynamic sampling on accuracy, at most 10
+# generation rounds, overlong shaping off, greedy evaluation every 4 steps (theirs: no step-0 evaluation; AIME/AMC rows sampled at T 0.6 when mixed with
 # others). No dual clip: their clip_ratio_c 10 is set but its code is commented out (core_algos.py). ZeRO-3 and
 # micro-batch 2 are for memory only.
 COMMON=(
