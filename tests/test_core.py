@@ -3,6 +3,9 @@
 import pytest
 import torch
 
+import grpo_aent as ga
+import grpo_entadv as ge
+import grpo_klcov as kc
 import grpo_vanilla as gv
 from utils import batching, logprobs
 from utils.data import step_prompt_indices
@@ -131,24 +134,41 @@ def test_rollout_weights_are_the_truncated_probability_ratio():
     assert torch.allclose(weights, torch.tensor([1.0, 0.5, 2.0, 0.5])) and not weights.requires_grad
 
 
-@pytest.mark.parametrize(
-    "flag, value, message",
-    [
-        ("group_size", 1, "--group-size must be >= 2"),
-        ("clip_eps_low", 0.0, "--clip-eps-low must be > 0"),
-        ("max_response_length", 0, "--max-response-length must be >= 1"),
-        ("zero_stage", 1, "--zero-stage must be 2 or 3"),
-        ("num_prompts_per_step", 6, "must be divisible by --num-mini-batches x world size"),
-        ("micro_batch_size", 3, "--micro-batch-size (3) must divide"),
-        ("vllm_is_cap", 0.5, "--vllm-is-cap must be 0 (off) or >= 1"),
-    ],
-)
-def test_validate_args_rejects_bad_values_with_the_flag_name(flag, value, message):
-    args = gv.Args(num_prompts_per_step=8, num_mini_batches=2, group_size=4, micro_batch_size=4)
-    gv.validate_args(args, 2)
-    setattr(args, flag, value)
-    with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
-        gv.validate_args(args, 2)
+VALID = {"num_prompts_per_step": 8, "num_mini_batches": 2, "group_size": 4, "micro_batch_size": 4}
+"""settings every script's validate_args accepts on 2 ranks; each row below changes some and must be refused"""
+BAD_FLAGS = [
+    (gv, {"group_size": 1}, "--group-size must be >= 2"),
+    (gv, {"clip_eps_low": 0.0}, "--clip-eps-low must be > 0"),
+    (gv, {"max_response_length": 0}, "--max-response-length must be >= 1"),
+    (gv, {"zero_stage": 1}, "--zero-stage must be 2 or 3"),
+    (gv, {"num_prompts_per_step": 6}, "must be divisible by --num-mini-batches x world size"),
+    (gv, {"micro_batch_size": 3}, "--micro-batch-size (3) must divide"),
+    (gv, {"vllm_is_cap": 0.5}, "--vllm-is-cap must be 0 (off) or >= 1"),
+    (gv, {"top_entropy_quantile": 1.5}, "--top-entropy-quantile must be in"),
+    (ga, {"clamp_p": 1.0}, "--clamp-p must be in [0, 1)"),
+    (ga, {"entropy_low": 0.5}, "--entropy-low must be <= --entropy-high"),
+    (ga, {"entropy_coef_min": 0.1}, "--entropy-coef-min must be in [0, --entropy-coef-max]"),
+    (ga, {"entropy_coef_warmup": -1}, "--entropy-coef-warmup must be >= 0"),
+    (kc, {"num_mini_batches": 1}, "KL-Cov needs >= 2 updates"),
+    (ge, {"entadv_kappa": 0.5}, "--entadv-kappa must be > 1"),  # the paper's Eq. 5: kappa > 1
+    (ge, {"entadv_kappa": 1.0}, "--entadv-kappa must be > 1"),
+    (ge, {"entadv_alpha": -0.1}, "--entadv-alpha must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("module, bad, message", BAD_FLAGS, ids=[f"{m.__name__}-{b}" for m, b, _ in BAD_FLAGS])
+def test_validate_args_rejects_bad_values_with_the_flag_name(module, bad, message):
+    """Every script's start-up check of its own flags (and vanilla's shared ones): VALID passes, each bad value exits
+    with a message naming the flag (substring match: the messages hold brackets and parentheses)."""
+    module.validate_args(module.Args(**VALID), 2)
+    with pytest.raises(SystemExit) as raised:
+        module.validate_args(module.Args(**{**VALID, **bad}), 2)
+    assert message in str(raised.value), str(raised.value)
+
+
+def test_kl_cov_accepts_one_mini_batch_with_two_epochs():
+    """KL-Cov's check counts updates per rollout batch: 1 mini-batch x 2 epochs is 2 updates, accepted."""
+    kc.validate_args(kc.Args(**{**VALID, "num_mini_batches": 1, "num_epochs": 2}), 2)
 
 
 def test_fixed_number_of_head_calls_gives_the_same_values():
