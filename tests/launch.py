@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from utils.testbed import CPU_ENV
+from utils.testbed import CPU_ENV, read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -166,8 +166,7 @@ def run_dir(output_dir) -> str:
 
 
 def read_metrics(path) -> list:
-    with open(os.path.join(path, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return read_jsonl(os.path.join(path, "metrics.jsonl"))
 
 
 def final_weights(path) -> dict:

@@ -3,9 +3,12 @@
 import pytest
 import torch
 
+import grpo_aent as ga
+import grpo_entadv as ge
+import grpo_klcov as kc
 import grpo_vanilla as gv
-from utils import batching, logprobs
-from utils.data import step_prompt_indices
+from utils import batching, logprobs, rollouts
+from utils.data import load_tokenizer, step_prompt_indices
 
 
 def test_group_advantages_normalise_within_groups():
@@ -112,15 +115,36 @@ def test_collate_masks_response_tokens_only():
     assert batch["response_mask"].tolist() == [[False, False, True, True, True], [False, True, False, False, False]]
 
 
-def test_step_prompt_indices_give_the_same_mini_batches_on_any_world_size():
-    args = gv.Args(num_prompts_per_step=8, num_mini_batches=2, seed=3)
-    one = step_prompt_indices(5, args, 30, 0, 1)
-    two = [step_prompt_indices(5, args, 30, r, 2) for r in range(2)]
-    # mini-batch m on one rank == the union of the two ranks' slices of mini-batch m
-    assert one[:4] == two[0][:2] + two[1][:2]
-    assert one[4:] == two[0][2:] + two[1][2:]
-    # the data order is a permutation per epoch: 30 prompts are all seen once in the first 30 positions
-    seen = [i for s in range(4) for _, i in step_prompt_indices(s, args, 30, 0, 1)][:30]
+def test_collect_for_gives_the_same_mini_batches_on_any_world_size(testbed):
+    """utils.rollouts.collect_for, the path training takes (a stand-in sampler that writes its seed and a boxed answer;
+    real tokenizer and math-verify): mini-batch m on one rank is the union of the two ranks' slices of it, prompts,
+    seeded samples and rewards alike; the stream is a permutation per epoch (30 prompts all seen once in the first 30
+    positions) in the order step_prompt_indices states (benchmarks/bench_trl.py hands TRL that order)."""
+    tok = load_tokenizer(testbed.model_dir)
+    args = gv.Args(num_prompts_per_step=8, num_mini_batches=2, group_size=2, seed=3)
+    data = [([100 + i], str(i)) for i in range(30)]  # the prompt's one token id names its dataset index
+
+    def sample(prompts, seeds):  # per prompt: sample 0 boxes the right answer, sample 1 a wrong one
+        texts = [
+            f"{seed + k} \\boxed{{{p[0] - 100 if k == 0 else -1}}}" for p, seed in zip(prompts, seeds) for k in (0, 1)
+        ]
+        return [gv.Sample(tok.encode(t, add_special_tokens=False), None, False) for t in texts]
+
+    def collect(consumed, ranks, world_size):
+        after, parts = rollouts.collect_for(args, consumed, data, tok, sample, 1, ranks, world_size)
+        assert after == consumed + 8  # no --filter-groups: the step takes the next P prompts
+        return [parts[r] for r in ranks]
+
+    (one,), two = collect(40, [0], 1), collect(40, [0, 1], 2)  # step 5: the second epoch starts inside it
+    for m in range(2):  # mini-batch m: 4 prompts on one rank, 2 on each of two
+        whole, half = slice(4 * m, 4 * m + 4), slice(2 * m, 2 * m + 2)
+        assert one.prompts[whole] == two[0].prompts[half] + two[1].prompts[half]
+        assert torch.equal(one.rewards[whole], torch.cat([two[0].rewards[half], two[1].rewards[half]]))
+        halves = [r.samples[4 * m : 4 * m + 4] for r in two]  # G = 2 samples per prompt, group-major
+        assert one.samples[8 * m : 8 * m + 8] == halves[0] + halves[1]
+    assert one.rewards.tolist() == [[1.0, 0.0]] * 8  # graded: the boxed answer right, then wrong
+    assert one.prompts == [data[i][0] for _, i in step_prompt_indices(5, args, 30, 0, 1)]
+    seen = [p[0] - 100 for consumed in range(0, 32, 8) for p in collect(consumed, [0], 1)[0].prompts][:30]
     assert sorted(seen) == list(range(30))
 
 
@@ -131,24 +155,41 @@ def test_rollout_weights_are_the_truncated_probability_ratio():
     assert torch.allclose(weights, torch.tensor([1.0, 0.5, 2.0, 0.5])) and not weights.requires_grad
 
 
-@pytest.mark.parametrize(
-    "flag, value, message",
-    [
-        ("group_size", 1, "--group-size must be >= 2"),
-        ("clip_eps_low", 0.0, "--clip-eps-low must be > 0"),
-        ("max_response_length", 0, "--max-response-length must be >= 1"),
-        ("zero_stage", 1, "--zero-stage must be 2 or 3"),
-        ("num_prompts_per_step", 6, "must be divisible by --num-mini-batches x world size"),
-        ("micro_batch_size", 3, "--micro-batch-size (3) must divide"),
-        ("vllm_is_cap", 0.5, "--vllm-is-cap must be 0 (off) or >= 1"),
-    ],
-)
-def test_validate_args_rejects_bad_values_with_the_flag_name(flag, value, message):
-    args = gv.Args(num_prompts_per_step=8, num_mini_batches=2, group_size=4, micro_batch_size=4)
-    gv.validate_args(args, 2)
-    setattr(args, flag, value)
-    with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
-        gv.validate_args(args, 2)
+VALID = {"num_prompts_per_step": 8, "num_mini_batches": 2, "group_size": 4, "micro_batch_size": 4}
+"""settings every script's validate_args accepts on 2 ranks; each row below changes some and must be refused"""
+BAD_FLAGS = [
+    (gv, {"group_size": 1}, "--group-size must be >= 2"),
+    (gv, {"clip_eps_low": 0.0}, "--clip-eps-low must be > 0"),
+    (gv, {"max_response_length": 0}, "--max-response-length must be >= 1"),
+    (gv, {"zero_stage": 1}, "--zero-stage must be 2 or 3"),
+    (gv, {"num_prompts_per_step": 6}, "must be divisible by --num-mini-batches x world size"),
+    (gv, {"micro_batch_size": 3}, "--micro-batch-size (3) must divide"),
+    (gv, {"vllm_is_cap": 0.5}, "--vllm-is-cap must be 0 (off) or >= 1"),
+    (gv, {"top_entropy_quantile": 1.5}, "--top-entropy-quantile must be in"),
+    (ga, {"clamp_p": 1.0}, "--clamp-p must be in [0, 1)"),
+    (ga, {"entropy_low": 0.5}, "--entropy-low must be <= --entropy-high"),
+    (ga, {"entropy_coef_min": 0.1}, "--entropy-coef-min must be in [0, --entropy-coef-max]"),
+    (ga, {"entropy_coef_warmup": -1}, "--entropy-coef-warmup must be >= 0"),
+    (kc, {"num_mini_batches": 1}, "KL-Cov needs >= 2 updates"),
+    (ge, {"entadv_kappa": 0.5}, "--entadv-kappa must be > 1"),  # the paper's Eq. 5: kappa > 1
+    (ge, {"entadv_kappa": 1.0}, "--entadv-kappa must be > 1"),
+    (ge, {"entadv_alpha": -0.1}, "--entadv-alpha must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("module, bad, message", BAD_FLAGS, ids=[f"{m.__name__}-{b}" for m, b, _ in BAD_FLAGS])
+def test_validate_args_rejects_bad_values_with_the_flag_name(module, bad, message):
+    """Every script's start-up check of its own flags (and vanilla's shared ones): VALID passes, each bad value exits
+    with a message naming the flag (substring match: the messages hold brackets and parentheses)."""
+    module.validate_args(module.Args(**VALID), 2)
+    with pytest.raises(SystemExit) as raised:
+        module.validate_args(module.Args(**{**VALID, **bad}), 2)
+    assert message in str(raised.value), str(raised.value)
+
+
+def test_kl_cov_accepts_one_mini_batch_with_two_epochs():
+    """KL-Cov's check counts updates per rollout batch: 1 mini-batch x 2 epochs is 2 updates, accepted."""
+    kc.validate_args(kc.Args(**{**VALID, "num_mini_batches": 1, "num_epochs": 2}), 2)
 
 
 def test_fixed_number_of_head_calls_gives_the_same_values():

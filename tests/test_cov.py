@@ -141,14 +141,6 @@ def test_microbatch_scope_equals_the_published_clip_cov_loss(seed, ratio, lb, ub
     assert selected.any() or not (~clipped & (cov > lb) & (cov < ub)).any()
 
 
-def test_kl_cov_refuses_a_single_update_per_rollout_batch():
-    args = kc.Args(num_prompts_per_step=8, num_mini_batches=1, group_size=4, micro_batch_size=4)
-    with pytest.raises(SystemExit, match="KL-Cov needs >= 2 updates"):
-        kc.validate_args(args, 1)
-    args.num_epochs = 2
-    kc.validate_args(args, 1)
-
-
 # ---- end to end: the real script on the CPU testbed; the global selection on 1 and 2 ranks, packed or not:
 # tests/test_selection_layouts.py ----
 # 8 prompts x 4 samples, 2 mini-batches of 16 sequences, micro-batches of 4

@@ -72,7 +72,7 @@ def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, np
     config = {u.key: json.loads(u.value_json) for u in run.config.update}
     assert (run.run_id, run.run_group, run.job_type) == (os.path.basename(path), "grpo_vanilla", "train")
     assert list(run.tags) == ["grpo_vanilla", f"commit:{config['git_commit']}", "study-1", "from-env"]
-    in_git = os.path.isdir(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".git"))
+    in_git = os.path.exists(os.path.join(ROOT, ".git"))  # a file in a git worktree, a folder in a clone
     assert re.fullmatch(r"[0-9a-f]{7,}(-dirty)?" if in_git else "unknown", config["git_commit"]), config["git_commit"]
     assert {f.name for f in dataclasses.fields(Args)} <= config.keys() and config["world_size"] == max(nproc, 1)
     assert config["versions"]["torch"] == torch.__version__ and config["versions"]["vllm"] is not None

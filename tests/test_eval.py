@@ -16,7 +16,7 @@ from launch import run_python
 from benchmarks.eval import VENDORED, majority_vote, pass_at_k, protocol_output
 from utils.data import load_problems
 from utils.reward import grade, last_boxed
-from utils.testbed import CPU_ENV
+from utils.testbed import CPU_ENV, read_jsonl
 
 # the tests sharing its module-scoped runs: on one xdist worker (make test: --dist loadgroup), the others anywhere
 SHARED = pytest.mark.xdist_group("test_eval")
@@ -33,11 +33,6 @@ def run_eval(flags, timeout=240, check=True):
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
-
-
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
 
 
 @pytest.fixture(scope="module")

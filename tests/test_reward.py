@@ -1,7 +1,6 @@
 """utils.reward: boxed-answer extraction, math-verify grading on real data, and bounded time on pathological input."""
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -28,13 +27,10 @@ from utils.reward import (  # noqa: E402
     last_boxed,
     math_reward,
 )
+from utils.testbed import read_jsonl  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "data"
 SLACK_S = 0.5
-
-
-def read_jsonl(name):
-    return [json.loads(line) for line in (DATA / name).read_text().splitlines()]
 
 
 def nested_frac(depth):
@@ -67,7 +63,7 @@ def test_grade_statuses():
 
 def test_math500_solutions_grade_correct():
     """Each worked MATH-500 solution grades 1.0 against its reference answer; shifted answers grade 0.0."""
-    solutions = [row["solution"] for row in read_jsonl("math500.jsonl")]
+    solutions = [row["solution"] for row in read_jsonl(DATA / "math500.jsonl")]
     answers = [p["answer"] for p in load_problems(str(DATA / "math500.jsonl"))]
     rewards, statuses = batch_grade(solutions, answers)
     assert sum(rewards) / len(rewards) >= 0.99, [a for a, r in zip(answers, rewards) if r < 1]
@@ -78,7 +74,7 @@ def test_math500_solutions_grade_correct():
 
 def test_gsm8k_worked_answers_grade_correct():
     """Each GSM8K worked answer, its final number boxed, grades 1.0 against the loaded answer ("1,000" included)."""
-    texts = [row["answer"] for row in read_jsonl("gsm8k.jsonl")]
+    texts = [row["answer"] for row in read_jsonl(DATA / "gsm8k.jsonl")]
     responses = [t.split("####")[0] + f"\\boxed{{{t.split('####')[-1].strip()}}}" for t in texts]
     answers = [p["answer"] for p in load_problems(str(DATA / "gsm8k.jsonl"))]
     rewards, _ = batch_grade(responses, answers)

@@ -68,7 +68,9 @@ def test_tensor_parallel_groups_generate_each_ranks_own_prompts(testbed, tmp_pat
 
 
 def test_this_module_runs_on_one_worker(request):
-    """make test's --dist loadgroup keeps this module on one worker: `single` runs once and the TP runs one after the
-    other. pytest-xdist marks each grouped test's id for that; under pytest 9 it cannot (pytest 8.4 pinned)."""
-    if getattr(request.config.option, "loadgroup", False):  # set on the workers of --dist loadgroup
+    """Under xdist this module must run with --dist loadgroup (make test's), which keeps it on one worker: `single` runs
+    once and the TP runs one after the other; pytest-xdist marks each grouped test's id for that (under pytest 9 it
+    cannot: pytest 8.4 pinned). Without xdist there is one process."""
+    if hasattr(request.config, "workerinput"):  # an xdist worker
+        assert request.config.option.loadgroup, "run with --dist loadgroup"  # xdist sets it on the workers
         assert request.node.nodeid.endswith("@test_tp"), request.node.nodeid
