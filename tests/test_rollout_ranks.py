@@ -1,9 +1,24 @@
 """--rollout-ranks: the real scripts on the CPU testbed, 2 trainers and 1 rollout rank (utils/rollout_ranks.py): at
 --max-staleness 0 the colocated run's trajectory; at 1 one trajectory per seed, through a kill and its resume; every
-method script once in this mode; a rank that dies stops the job with one line from each rank left."""
+method script once in this mode; a rank that dies stops the job with one line from each rank left; a run's end joins
+the gloo threads of the groups between the worlds."""
+
+import os
 
 import pytest
-from launch import NOISE, assert_same_run, checkpoints, read_metrics, rollout_flags, run_dir, run_script
+from launch import (
+    CPU_ENV,
+    NOISE,
+    ROOT,
+    assert_same_run,
+    checkpoints,
+    free_port,
+    read_metrics,
+    rollout_flags,
+    run_dir,
+    run_python,
+    run_script,
+)
 
 
 @pytest.mark.xdist_group("test_crash")  # the worker that holds `straight`'s vanilla run (conftest.py)
@@ -69,3 +84,14 @@ def assert_one_line_each(stderr: str, ranks: int) -> None:
     """Each rank left ends with one "error:" line: one blocked on the rollout link names the rank that stopped, one in a
     DeepSpeed collective says that a process has ended (distributed.one_line_when_a_peer_is_gone); no traceback."""
     assert stderr.count("error: ") == ranks and "Traceback" not in stderr, stderr[-3000:]
+
+
+def test_a_run_end_leaves_no_gloo_thread_to_the_interpreter_exit():
+    """The scripts' end of a run (tests/end_of_run.py: lifecycle.shutdown, serve's end), 2 trainers and a rollout rank:
+    no gloo worker thread may outlive it. One alive at the interpreter's exit can still be waiting for the GIL to drop
+    its last collective's tensors when finalization begins, which ends it inside a noexcept destructor: std::terminate
+    after a complete run (issue 42; the fork server's runs skip finalization, so the threads are what is checked)."""
+    env = {**os.environ, **CPU_ENV, "MASTER_PORT": str(free_port())}
+    proc = run_python([os.path.join(ROOT, "tests", "end_of_run.py")], env, nproc=3, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("gloo workers at exit: 0") == 3, proc.stdout

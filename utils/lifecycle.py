@@ -61,13 +61,14 @@ def check_bad_steps(bad_steps: int, max_bad_steps: int, run_dir: str, tracker) -
 
 def shutdown(sampler) -> None:
     """The end of a run: the vLLM engine shut down explicitly (close_engine; the rollout ranks' stop), then the
-    process groups it left."""
+    process groups it left, and with --rollout-ranks the two between the worlds (rollout_ranks.close)."""
     if isinstance(sampler, rollout_ranks.Engine):
         sampler.close()
     elif sampler is not None:
         close_engine(sampler)
     if dist.is_initialized():
         dist.destroy_process_group()
+    rollout_ranks.close()  # their gloo threads joined before the interpreter's exit, which would abort one still busy
 
 
 def finish(engine, tokenizer, run_dir: str, args, rank: int, tracker, stopped_at=None) -> None:

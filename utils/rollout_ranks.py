@@ -53,7 +53,7 @@ class _World:
         os.environ.update(RANK=str(sub_rank), WORLD_SIZE=str(sub_size))  # vLLM's external launcher reads them
         dist.init_process_group(backend, store=dist.PrefixStore(world, store), rank=sub_rank, world_size=sub_size)
         self.bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), rank, size, LINK_TIMEOUT)
-        self.device = device
+        self.device, self.link, self.weights = device, None, None  # the other trainers have no link
         if self.serving or rank == 0:  # link rank 0: trainer 0
             link_rank = rank - self.trainers + 1 if self.serving else 0
             link_store = dist.PrefixStore("link", store)
@@ -78,6 +78,18 @@ def split_world(rollouts: int, backend: str, device) -> int:
         )
     _world = _World(int(os.environ["RANK"]), size, rollouts, backend, device)
     return _world.trainers
+
+
+def close() -> None:
+    """The end of a run, on every process of the launch (lifecycle.shutdown): `link` and `bridge` shut down and dropped
+    now, their gloo worker threads joined. A worker drops its last collective's tensors after the caller has moved on,
+    which takes the GIL; left alive into the interpreter's exit, it can still be waiting for the GIL when finalization
+    begins, which ends the thread inside a noexcept destructor: std::terminate, SIGABRT after a complete run."""
+    if _world is None:
+        return
+    for group in {_world.bridge, _world.link, _world.weights} - {None}:  # the weights' group is link's on CPUs
+        group.shutdown()
+    _world.bridge = _world.link = _world.weights = None  # the last references: ~ProcessGroupGloo joins its threads
 
 
 def world() -> "_World":
