@@ -17,6 +17,15 @@ from .distributed import tensor_parallel_group
 from .lifecycle import StopSignal, shutdown
 from .vllm_engine import make_sampler
 
+_told = threading.Lock()
+
+
+def _say_once(line: str) -> None:
+    """The one line of a rollout rank whose peer is gone, from whichever of its threads finds it first: when trainer 0
+    is killed both may (the main thread on `link`, the sender on `bridge`); the other ends without a line."""
+    if _told.acquire(blocking=False):
+        print(line, file=sys.stderr, flush=True)
+
 
 class _Sender(threading.Thread):
     """Sends queued (trainer rank, message) pairs in order, so that the rollout rank goes on generating."""
@@ -31,7 +40,7 @@ class _Sender(threading.Thread):
             try:
                 rr.send(item[1], item[0], rr.world().bridge)
             except RuntimeError as e:
-                print(rr.failed(f"trainer rank {item[0]}", e).code, file=sys.stderr, flush=True)
+                _say_once(rr.failed(f"trainer rank {item[0]}", e).code)
                 os._exit(1)
 
     def close(self):
@@ -59,7 +68,8 @@ def serve(args, generate, tokenizer, train_data: list, grading_workers: int) -> 
         try:
             kind, payload = rr.broadcast(None, world.link)
         except RuntimeError as e:
-            raise rr.failed("trainer rank 0", e)
+            _say_once(rr.failed("trainer rank 0", e).code)
+            raise SystemExit(1)
         if kind == "stop":
             break
         if kind == "begin":
