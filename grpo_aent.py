@@ -628,9 +628,8 @@ if __name__ == "__main__":
         progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", entropy=f"{metrics['entropy/full']:.3f}")
 
         # ---- evaluation and checkpoint ----
-        lifecycle.check_bad_steps(
-            bad_steps, args.max_bad_steps, run_dir, tracker
-        )  # every rank agrees: the skips are global
+        # every rank agrees: the skipped updates are global
+        lifecycle.check_bad_steps(bad_steps, args.max_bad_steps, run_dir, tracker)
         done = step + 1 == args.total_steps
         if eval_data and args.eval_every and ((step + 1) % args.eval_every == 0 or done):
             tracker.log(evaluate(args, sampler, policy, tokenizer, eval_data, logprobs, tp_group), step + 1)
