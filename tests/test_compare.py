@@ -84,11 +84,11 @@ def test_compare_writes_plots_and_table(tmp_path):
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "reproduce", "*.sh")))
 
 
-def dry_run(script: str) -> list:
-    """Every command line a reproduction script prints with DRY_RUN=1, split into arguments."""
-    proc = subprocess.run(
-        ["bash", script], env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True, timeout=60
-    )
+def dry_run(script: str, **settings) -> list:
+    """Every command line a reproduction script prints with DRY_RUN=1 (and its `settings`, e.g. METHODS), split into
+    arguments."""
+    env = {**os.environ, "DRY_RUN": "1", **settings}
+    proc = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return [shlex.split(line) for line in proc.stdout.splitlines()]
 

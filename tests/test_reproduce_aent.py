@@ -1,8 +1,8 @@
 """AEnt's settings in the reproduction scripts: one translation of the reference's warm-up serves every script."""
 
 import os
-import shlex
-import subprocess
+
+from test_compare import dry_run
 
 import grpo_aent as ga
 
@@ -11,10 +11,8 @@ REPRODUCE = os.path.join(ROOT, "benchmarks", "reproduce")
 
 
 def aent_commands(script: str) -> list:
-    """The grpo_aent.py command lines a reproduction script prints with DRY_RUN=1 and only AEnt selected."""
-    env = {**os.environ, "DRY_RUN": "1", "METHODS": "grpo_aent", "SEEDS": "1"}
-    proc = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60, check=True)
-    commands = [shlex.split(line) for line in proc.stdout.splitlines()]
+    """The grpo_aent.py flags of each command a reproduction script prints with DRY_RUN=1 and only AEnt selected."""
+    commands = dry_run(script, METHODS="grpo_aent", SEEDS="1")
     return [c[c.index("grpo_aent.py") + 1 :] for c in commands if "grpo_aent.py" in c]
 
 
