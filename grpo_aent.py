@@ -495,6 +495,7 @@ if __name__ == "__main__":
         old_logps, ref_logps, entropies = [], [], []  # one flat tensor per micro-batch
         sums = dict.fromkeys(["entropy", "loss", "clipped", "approx_kl", "ref_kl"], 0.0)  # over the step, then ranks
         sums.update(dict.fromkeys(["kept", "kept_entropy", "threshold", "selections"], 0.0))  # the 80/20 rule
+        sums.update(dict.fromkeys(tracking.CLIP_SUMS, 0.0))  # where the ratio left the clip range
         sums.update(dict.fromkeys(["clamped", "bonus", "clamped_train", "train_tokens"], 0.0))  # AEnt
         if separate_pass:
             with torch.no_grad():
@@ -534,6 +535,7 @@ if __name__ == "__main__":
                     logp, entropy, clamped_h = logprobs(policy, batch, with_entropy=train_entropy, extra=clamped)
                     if not separate_pass:  # the weights that sampled the batch: their log-probs are the old ones
                         old_logps.append(logp.detach())
+                        entropies.append(entropy.detach())
                         sums["entropy"] += entropy.sum().double()
                         sums["clamped"] += clamped_h.sum().double()
                     old_logp, adv = old_logps[i], batch["advantages"]
@@ -571,6 +573,7 @@ if __name__ == "__main__":
                         log_ratio = logp - old_logp
                         sums["loss"] += loss.detach().double()
                         sums["clipped"] += (clipped.float() * weights).sum().double()
+                        tracking.clip_sums(sums, log_ratio, adv, weights, args.clip_eps_low, args.clip_eps_high)
                         sums["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * weights).sum().double()
                 if args.coef_cadence == "update":  # AEnt, TRL 1.16: the update's world entropy steps the coefficient
                     window = distributed.all_reduce_sums({k: sums[k] - v for k, v in window.items()}, device)
@@ -607,6 +610,7 @@ if __name__ == "__main__":
         metrics.update(
             tracking.step_metrics(g, args, grad_norms, skipped, scheduler, time.time() - step_start, max_length)
         )
+        metrics["entropy/top20"] = tracking.top_entropy(torch.cat(entropies))  # of the 20% highest-entropy tokens
         coef_range = torch.tensor([coef_state, -coef_state], dtype=torch.float64, device=device)  # AEnt: max, -min
         dist.all_reduce(coef_range, op=dist.ReduceOp.MAX)
         metrics["entropy/clamped"] = g["clamped"] / g["tokens"]

@@ -440,6 +440,7 @@ if __name__ == "__main__":
         old_logps, ref_logps, entropies = [], [], []  # one flat tensor per micro-batch
         sums = dict.fromkeys(["entropy", "loss", "clipped", "approx_kl", "ref_kl"], 0.0)  # over the step, then ranks
         sums.update(dict.fromkeys(["kept", "kept_entropy", "threshold", "selections"], 0.0))  # the 80/20 rule
+        sums.update(dict.fromkeys(tracking.CLIP_SUMS, 0.0))  # where the ratio left the clip range
         sums.update(dict.fromkeys(["psi", "abs_adv", "capped"], 0.0))  # the entropy-based advantage
         if separate_pass:
             with torch.no_grad():
@@ -474,6 +475,7 @@ if __name__ == "__main__":
                     logp, entropy, _ = logprobs(policy, batch, with_entropy=True)
                     if not separate_pass:  # the weights that sampled the batch: their log-probs are the old ones
                         old_logps.append(logp.detach())
+                        entropies.append(entropy.detach())
                         sums["entropy"] += entropy.sum().double()
                     old_logp, adv = old_logps[i], batch["advantages"]
                     adv, psi = entropy_advantages(adv, entropy, args.entadv_alpha, args.entadv_kappa)  # the method
@@ -507,6 +509,7 @@ if __name__ == "__main__":
                         log_ratio = logp - old_logp
                         sums["loss"] += loss.detach().double()
                         sums["clipped"] += (clipped.float() * weights).sum().double()
+                        tracking.clip_sums(sums, log_ratio, adv, weights, args.clip_eps_low, args.clip_eps_high)
                         sums["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * weights).sum().double()
                 if policy.was_step_applied():
                     grad_norms.append(float(policy.get_global_grad_norm()))  # already global: the same on every rank
@@ -537,6 +540,7 @@ if __name__ == "__main__":
         metrics.update(
             tracking.step_metrics(g, args, grad_norms, skipped, scheduler, time.time() - step_start, max_length)
         )
+        metrics["entropy/top20"] = tracking.top_entropy(torch.cat(entropies))  # of the 20% highest-entropy tokens
         metrics.update(entadv_metrics(g, args.num_epochs))
         tracker.log(metrics, step + 1)
         progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", entropy=f"{metrics['entropy/full']:.3f}")

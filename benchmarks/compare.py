@@ -16,6 +16,7 @@ if ROOT not in sys.path:  # `python benchmarks/compare.py` must find benchmarks/
 
 from benchmarks.metrics import (  # noqa: E402
     AENT,
+    CLIP,
     COV,
     EVAL,
     EVAL_SAMPLED,
@@ -365,7 +366,8 @@ if __name__ == "__main__":
     colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
     E = args.entropy_metric
     figures = {
-        "entropy.png": [(E, f"{E} (nats)"), ("entropy/kept", label("entropy/kept"))],
+        "entropy.png": [(E, f"{E} (nats)"), *((k, label(k)) for k in ("entropy/top20", "entropy/kept"))],
+        "clip.png": [(k, label(k)) for k in CLIP],
         "reward.png": [(k, label(k)) for k in REWARD],
         "eval_acc.png": [(k, label(k)) for k in (EVAL[0], *EVAL_SAMPLED)],
         "aent.png": [(k, label(k)) for k in AENT],
@@ -481,6 +483,7 @@ if __name__ == "__main__":
             *pass_keys[-1:],
             "eval/entropy",
             E,
+            "entropy/top20",
             "entropy/kept",
             "entropy/kept_frac",
             "rollout/filtered_frac",

@@ -2,7 +2,17 @@
 # (The same name means the same quantity in every script; a method's own metrics are absent from the other runs.)
 
 AENT = ("entropy/clamped", "entropy/coef", "entropy/coef_applied")  # AEnt's H_S, its coefficient, as applied
-ENTROPY = ("entropy/full", *AENT)
+# every method: the mean entropy of the step's 20% highest-entropy tokens (the forking tokens), beside the full mean
+ENTROPY = ("entropy/full", "entropy/top20", *AENT)
+# every method: the share of tokens whose ratio left the clip range, by side and sign of A (PPO silences high_pos and
+# low_neg; CISPO keeps their gradient with a capped weight, CE-GPPO a bounded one)
+CLIP = (
+    "losses/clip_frac",
+    "losses/clip_frac_high_pos",
+    "losses/clip_frac_low_neg",
+    "losses/clip_frac_high_neg",
+    "losses/clip_frac_low_pos",
+)
 # --top-entropy-quantile < 1 (every method): the kept tokens' mean entropy, their share, the entropy threshold
 SELECTION = ("entropy/kept", "entropy/kept_frac", "entropy/mask_threshold")
 REWARD = ("rollout/reward", "rollout/accuracy")
@@ -21,6 +31,7 @@ KNOWN_NAMESPACES = ("rollout", "entropy", "losses", "charts", "time", "eval", "c
 
 LABELS = {
     "entropy/full": "full-vocabulary entropy (nats)",
+    "entropy/top20": "entropy of the 20% highest-entropy tokens (nats)",
     "entropy/clamped": "clamped entropy (nats)",
     "entropy/coef": "AEnt coefficient",
     "entropy/coef_applied": "AEnt coefficient as applied (0: gated)",
@@ -39,6 +50,11 @@ LABELS = {
     "cov/mean": "Cov: mean covariance of all tokens",
     "cov/kl_selected": "KL-Cov: mean |logp - old logp| of the selected",
     "cov/clipped_frac": "Clip-Cov: fraction of tokens without gradient",
+    "losses/clip_frac": "fraction of tokens the loss clips (no gradient)",
+    "losses/clip_frac_high_pos": "r > 1 + eps_high, A > 0 (PPO clips)",
+    "losses/clip_frac_low_neg": "r < 1 - eps_low, A < 0 (PPO clips)",
+    "losses/clip_frac_high_neg": "r > 1 + eps_high, A < 0",
+    "losses/clip_frac_low_pos": "r < 1 - eps_low, A > 0",
     "charts/tokens_per_second": "tokens per second",
 }
 

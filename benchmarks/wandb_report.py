@@ -12,6 +12,7 @@ if ROOT not in sys.path:  # `python benchmarks/wandb_report.py` must find benchm
     sys.path.insert(0, ROOT)
 
 from benchmarks.metrics import (  # noqa: E402
+    CLIP,
     COV,
     ENTROPY,
     EVAL,
@@ -64,7 +65,8 @@ def sections(eval_datasets=(), logged=()) -> list:
     return [
         (
             "Entropy",
-            "Full-vocabulary entropy of the sampling policy; AEnt's clamped entropy and its coefficient.",
+            "Full-vocabulary entropy of the sampling policy, and of its 20% highest-entropy tokens; AEnt's clamped "
+            "entropy and its coefficient.",
             list(ENTROPY),
         ),
         (
@@ -77,6 +79,12 @@ def sections(eval_datasets=(), logged=()) -> list:
             "Greedy accuracy on each evaluation set, every --eval-every steps; with "
             "--eval-samples 16, the sampled accuracy (mean@16), pass@16 and the entropy of the samples.",
             evals,
+        ),
+        (
+            "Clipping",
+            "The share of tokens whose ratio left the clip range, by side and by the sign of the advantage: PPO "
+            "silences high_pos and low_neg, CISPO keeps their gradient with a capped weight, CE-GPPO a bounded one.",
+            list(CLIP),
         ),
         (
             "Cov selection",

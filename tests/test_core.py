@@ -7,7 +7,7 @@ import grpo_aent as ga
 import grpo_entadv as ge
 import grpo_klcov as kc
 import grpo_vanilla as gv
-from utils import batching, logprobs, rollouts
+from utils import batching, logprobs, rollouts, tracking
 from utils.data import load_tokenizer, step_prompt_indices
 
 
@@ -73,6 +73,27 @@ def test_dual_clip_caps_the_loss_of_negative_advantages():
     assert logp.grad[0] == 0 and logp.grad[4] == 0 and logp.grad[1] != 0  # capped tokens: no gradient
     plain, plain_clipped = gv.ppo_clip_loss(logp.detach(), old, adv, 0.2, 0.2)
     assert torch.equal(plain, pg.detach()) and plain_clipped.tolist() == [False, False, True, True, False]
+
+
+def test_clip_sums_split_the_clipped_tokens_by_side_and_sign():
+    """losses/clip_frac_{high,low}_{pos,neg}: the loss-weighted tokens whose ratio left [1 - eps_low, 1 + eps_high],
+    by side and sign of A; PPO-clip's clipped tokens are exactly high_pos + low_neg."""
+    g = torch.Generator().manual_seed(0)
+    logp, old = -3 * torch.rand(500, generator=g), -3 * torch.rand(500, generator=g)
+    adv, weights = torch.randn(500, generator=g).round(), torch.rand(500, generator=g)  # zero advantages included
+    sums = dict.fromkeys(tracking.CLIP_SUMS, 0.0)
+    tracking.clip_sums(sums, logp - old, adv, weights, 0.2, 0.28)
+    r = torch.exp(logp - old)
+    for key, where in {
+        "clip_frac_high_pos": (r > 1.28) & (adv > 0),
+        "clip_frac_high_neg": (r > 1.28) & (adv < 0),
+        "clip_frac_low_pos": (r < 0.8) & (adv > 0),
+        "clip_frac_low_neg": (r < 0.8) & (adv < 0),
+    }.items():
+        assert sums[key].item() == pytest.approx(weights[where].sum().item(), rel=1e-6) and where.any(), key
+    clipped = gv.ppo_clip_loss(logp, old, adv, 0.2, 0.28)[1]
+    silenced = sums["clip_frac_high_pos"] + sums["clip_frac_low_neg"]
+    assert silenced.item() == pytest.approx(weights[clipped].sum().item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

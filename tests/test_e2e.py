@@ -24,6 +24,8 @@ def assert_trained(rows, path, tb, steps):
     for r in steps:
         assert all(torch.isfinite(torch.tensor(v)) for v in r.values()), r
         assert 0 < r["entropy/full"] < 10, r
+        assert r["entropy/full"] < r["entropy/top20"] < 10, r  # the 20% highest-entropy tokens' mean
+        assert r["losses/clip_frac_high_pos"] + r["losses/clip_frac_low_neg"] == pytest.approx(r["losses/clip_frac"])
     assert any(r["losses/grad_norm"] > 0 for r in steps)  # a step whose groups are all-equal has no gradient
     before, after = load_file(os.path.join(tb.model_dir, "model.safetensors")), final_weights(path)
     assert any(not torch.equal(before[k], after[k]) for k in before), "weights did not change"

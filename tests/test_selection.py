@@ -16,7 +16,7 @@ from launch import free_port, read_metrics, run_dir, run_script, script_flags, t
 
 import grpo_aent as ga
 import grpo_vanilla as gv
-from utils import ops
+from utils import ops, tracking
 
 # the tests sharing its module-scoped runs: on one xdist worker (make test: --dist loadgroup), the others anywhere
 SHARED = pytest.mark.xdist_group("test_selection")
@@ -81,6 +81,10 @@ def _selection_worker(rank, world_size, port, results):
             if case >= 3:
                 entropies[mask] = entropies[mask].round()  # few distinct values: the threshold sits on ties
             flat = entropies[mask]  # a micro-batch's response tokens, as the scripts hold them
+            top = trl_high_entropy_mask(entropies, mask, 0.8)  # the step's 20% highest-entropy tokens, both ranks
+            total = torch.tensor([entropies[top].sum().item(), top.sum().item()], dtype=torch.float64)
+            dist.all_reduce(total)
+            results[(rank, case, "top20")] = tracking.top_entropy(flat) == pytest.approx((total[0] / total[1]).item())
             for rho in (0.0, 0.2, 1.0):
                 ours = gv.entropy_selection({0: flat}, rho)
                 trl = trl_high_entropy_mask(entropies, mask, 1 - rho)
@@ -97,7 +101,8 @@ def _selection_worker(rank, world_size, port, results):
 
 def test_selection_equals_trls_published_mask_on_two_ranks():
     """TRL 1.16's top_entropy_quantile on entropies with ties and unequal token counts per rank, rho 0, 0.2, 1: the
-    same tokens on each rank (rho 0: the maximum only; rho 1: every token), and the same threshold on both ranks."""
+    same tokens on each rank (rho 0: the maximum only; rho 1: every token), and the same threshold on both ranks; the
+    entropy/top20 metric is the mean entropy of the tokens that mask keeps at rho 0.2."""
     results = mp.Manager().dict()
     mp.spawn(_selection_worker, args=(2, free_port(), results), nprocs=2, join=True)
     for case in range(6):
@@ -106,6 +111,7 @@ def test_selection_equals_trls_published_mask_on_two_ranks():
             assert same0 and same1 and t0 == t1, (case, rho)
             assert results[(0, case, rho, "scale")] and results[(1, case, rho, "scale")]
             assert kept0 + kept1 == n0 + n1 if rho == 1.0 else 1 <= kept0 + kept1 < n0 + n1, (case, rho)
+        assert results[(0, case, "top20")] and results[(1, case, "top20")], case
 
 
 # ---- end to end: real scripts, DeepSpeed on gloo ----

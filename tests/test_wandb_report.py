@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from benchmarks.compare import aggregate, history_to_rows, law_points, wandb_run_record
-from benchmarks.metrics import COV, ENTROPY, EVAL, EVAL_SAMPLED, REWARD, SAMPLING, SELECTION, THROUGHPUT, TIME
+from benchmarks.metrics import CLIP, COV, ENTROPY, EVAL, EVAL_SAMPLED, REWARD, SAMPLING, SELECTION, THROUGHPUT, TIME
 from benchmarks.wandb_report import Args, api_filters, build_report, sections, settings_markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,6 +19,7 @@ SECTIONS = [
     "Entropy",
     "Reward and accuracy",
     "Evaluation per dataset",
+    "Clipping",
     "Cov selection",
     "Dynamic sampling",
     "Token selection",
@@ -73,13 +74,14 @@ def test_report_sections_panels_grouping_and_filters():
     )
     report = build_report(args, RUNS)
     kinds = [type(b).__name__ for b in report.blocks]
-    assert kinds == ["MarkdownBlock"] + ["H2", "P", "PanelGrid"] * 7
+    assert kinds == ["MarkdownBlock"] + ["H2", "P", "PanelGrid"] * 8
     assert [b.text for b in report.blocks if type(b).__name__ == "H2"] == SECTIONS
     grids = [b for b in report.blocks if type(b).__name__ == "PanelGrid"]
     expected = [
         list(ENTROPY),
         [*REWARD, "eval/acc"],
         [*EVAL, *EVAL_SAMPLED],
+        list(CLIP),
         list(COV),
         list(SAMPLING),
         list(SELECTION),

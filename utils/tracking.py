@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from .batching import collate
-from .distributed import all_reduce_sums
+from .distributed import all_reduce_sums, gather_ranks
+from .ops import quantile
 from .reward import grade, pass_at_k
 
 
@@ -40,6 +41,26 @@ def sampler_sums(old_logp, sampler_logp, cap: float) -> dict:
     return {"gap": gap, "is_clipped": (ratio > cap).sum().item(), "is_weight": ratio.clamp(max=cap).sum().item()}
 
 
+# the tokens whose ratio r = pi / pi_old lies above 1 + eps_high or below 1 - eps_low, by the sign of A
+CLIP_SUMS = ("clip_frac_high_pos", "clip_frac_high_neg", "clip_frac_low_pos", "clip_frac_low_neg")
+
+
+def clip_sums(sums: dict, log_ratio, advantages, weights, eps_low: float, eps_high: float) -> None:
+    """Adds a micro-batch's loss-weighted tokens to sums[CLIP_SUMS]: where the ratio left the clip range, by side and
+    by the sign of the advantage (PPO's clip silences high_pos and low_neg; the other two keep their gradient)."""
+    ratio = torch.exp(log_ratio)
+    for side, outside in (("high", ratio > 1 + eps_high), ("low", ratio < 1 - eps_low)):
+        for sign, of_sign in (("pos", advantages > 0), ("neg", advantages < 0)):
+            sums[f"clip_frac_{side}_{sign}"] += ((outside & of_sign).float() * weights).sum().double()
+
+
+def top_entropy(entropies: torch.Tensor, share: float = 0.2) -> float:
+    """Mean entropy of the share of a step's tokens of highest entropy, over all ranks (this rank's: flat, 1-D): the
+    forking tokens (Wang et al. 2025, arXiv 2506.01939) whose entropy a collapse takes first."""
+    gathered = gather_ranks(entropies.float())[0]
+    return gathered[gathered >= quantile(gathered, 1 - share)].mean().item()
+
+
 def step_metrics(g: dict, args, grad_norms: list, skipped: int, scheduler, step_time: float, max_length) -> dict:
     """The shared metrics of a training step (docs/training.md) from its sums over ranks `g`: means per sequence,
     token or optimizer update; the sampler's, the reference KL's and the 80/20 rule's when they ran."""
@@ -57,6 +78,10 @@ def step_metrics(g: dict, args, grad_norms: list, skipped: int, scheduler, step_
         "entropy/sampled_nll": g["nll"] / g["tokens"],
         "losses/policy_loss": g["loss"] / updates,
         "losses/clip_frac": g["clipped"] / updates,
+        "losses/clip_frac_high_pos": g["clip_frac_high_pos"] / updates,  # the ratio's side and the sign of A
+        "losses/clip_frac_high_neg": g["clip_frac_high_neg"] / updates,
+        "losses/clip_frac_low_pos": g["clip_frac_low_pos"] / updates,
+        "losses/clip_frac_low_neg": g["clip_frac_low_neg"] / updates,
         "losses/approx_kl": g["approx_kl"] / updates,
         "losses/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
         "losses/skipped_updates": skipped,
