@@ -446,7 +446,7 @@ if __name__ == "__main__":
     limits = dict(coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)  # AEnt: the coefficient's range
     target = dict(target=args.entropy_target, delta=args.entropy_coef_delta)  # AEnt: the target rule's
 
-    def clamped(logits):  # AEnt: the clamped entropy of each token, from the log-prob kernel's chunk of logits
+    def clamped(logits, _):  # AEnt: the clamped entropy of each token, from the log-prob kernel's chunk of logits
         return clamped_entropy(logits.float() / args.temperature, args.clamp_p)
 
     def logprobs(model, batch, with_entropy=False, extra=None):

@@ -127,7 +127,7 @@ def test_chunked_pass_returns_the_clamped_entropy_with_gradient(num_chunks):
     hidden, targets = torch.randn(23, 16, requires_grad=True), torch.randint(0, 60, (23,))
     up_logp, up_clamped = torch.randn(23), torch.randn(23)
 
-    def clamp(logits):  # as grpo_aent.py passes it: the clamped entropy at the temperature, per chunk of logits
+    def clamp(logits, _):  # as grpo_aent.py passes it: the clamped entropy at the temperature, per chunk of logits
         return ga.clamped_entropy(logits.float() / 0.7, 0.33)
 
     logp, entropy, clamped = logprobs.chunked_logprobs_entropy(

@@ -46,6 +46,30 @@ CHANGED = {
         "validate_args": ["check_args(args, world_size, method_checks=[])"],
         "__main__": ["logp, entropy, _ = logprobs(policy, batch, with_entropy=train_entropy)"],
     },
+    "grpo_cispo.py": {
+        "Args": ["clip_eps_low: float = 0.2", '"""PPO lower clip: ratio >= 1 - eps_low"""'],
+        "validate_args": ["check_args(args, world_size, method_checks=[])"],
+        "__main__": ["token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)"],
+    },
+    "grpo_cegppo.py": {
+        "Args": [
+            "clip_ratio_c: float = 0.0",
+            '"""dual clip: where A < 0 the loss is at most -A c (verl\'s clip_ratio_c, its default 3); 0: PPO\'s clip '
+            'alone"""',
+        ],
+        "validate_args": ["check_args(args, world_size, method_checks=[])"],
+        "__main__": ["token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)"],
+    },
+    "grpo_lpreg.py": {
+        "Args": [
+            "clip_eps_low: float = 0.2",
+            '"""PPO lower clip: ratio >= 1 - eps_low"""',
+            "clip_eps_high: float = 0.2",
+            '"""PPO upper clip: ratio <= 1 + eps_high (DAPO\'s clip-higher: 0.28)"""',
+        ],
+        "validate_args": ["check_args(args, world_size, method_checks=[])"],
+        "__main__": ["logp, entropy, _ = logprobs(policy, batch, with_entropy=True)"],
+    },
 }
 # a method file not listed above (a user's own): its Args and validate_args may only add lines (the flags, the
 # method's checks before check_args); its main loop is not checked line by line (None)

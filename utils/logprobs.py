@@ -1,5 +1,5 @@
 """The log-prob kernel of the method scripts: each response token's log-prob and full-vocabulary entropy under a model
-(and a method's own per-token value from the logits, `extra`), the output head run chunk by chunk so that the
+(and a method's own per-token value from the logits and targets, `extra`), the output head run chunk by chunk so that the
 [tokens, vocab] logits are never built, with a backward that keeps one float32 chunk. Knows no method."""
 
 import math
@@ -48,14 +48,15 @@ class _LogprobEntropy(torch.autograd.Function):
 def _logprob_entropy_chunk(lm_head, hidden, targets, temperature: float, with_entropy: bool, extra):
     logits = lm_head(hidden)
     logp, entropy = _LogprobEntropy.apply(logits, targets, temperature, with_entropy)
-    return logp, entropy, torch.zeros_like(logp) if extra is None else extra(logits)
+    return logp, entropy, torch.zeros_like(logp) if extra is None else extra(logits, targets)
 
 
 def chunked_logprobs_entropy(
     hidden, head, targets, temperature, chunk_size, with_entropy=True, num_chunks=None, extra=None
 ):
-    """Log-prob of each target token, full-vocabulary entropy and `extra(logits)` (a method's own per-token value from
-    each chunk's raw logits [n, vocab]; zeros without it) from final hidden states [N, H]: three [N] tensors.
+    """Log-prob of each target token, full-vocabulary entropy and `extra(logits, targets)` (a method's own per-token
+    value from each chunk's raw logits [n, vocab] and targets [n]; zeros without it) from final hidden states [N, H]:
+    three [N] tensors.
 
     The [N, vocab] logits are never built: rows go through the head `chunk_size` at a time, each chunk recomputed in
     the backward pass, so peak memory is bounded by one chunk's logits. `num_chunks` fixes the number of head calls
