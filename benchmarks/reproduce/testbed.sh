@@ -15,6 +15,10 @@
 #   METHODS="grpo_vanilla grpo_mine" METHOD_FLAGS_grpo_mine="--my-coef 0.1" bash benchmarks/reproduce/testbed.sh
 #                                                               # any grpo_<name>.py: its flags (none if unset)
 #   METHOD_FLAGS_grpo_mine_big="grpo_mine --my-coef 1" METHODS="... grpo_mine_big" ...  # a variant: script, flags
+#   METHODS="grpo_vanilla grpo_cispo grpo_cegppo grpo_lpreg" OUT=runs/testbed_remedies \
+#     RESULTS=benchmarks/results/testbed/remedies bash benchmarks/reproduce/testbed.sh  # CISPO, CE-GPPO, Lp-Reg
+#   METHODS="grpo_vanilla_mb8 grpo_cispo_mb8 grpo_cegppo_mb8" OUT=runs/testbed_remedies_mb8 \
+#     RESULTS=benchmarks/results/testbed/remedies_mb8 bash benchmarks/reproduce/testbed.sh  # 8 updates per step
 #   PARALLEL=1 bash benchmarks/reproduce/testbed.sh             # one run at a time (1-core machines)
 #   SEEDS="1" STEPS=50 bash benchmarks/reproduce/testbed.sh     # a quick look
 #   DRY_RUN=1 bash benchmarks/reproduce/testbed.sh              # print the commands only
@@ -127,6 +131,23 @@ method_flags() {
     grpo_aent_s1) echo "grpo_aent --clamp-p 0.33 --entropy-coef 0.05 --entropy-low 0.08 --entropy-high 0.10
                         --entropy-coef-lr 0.5 --entropy-coef-warmup 10 --entropy-coef-min 0 --entropy-coef-max 0.5
                         --rollout-ranks 1 --max-staleness 1 --vllm-is-cap 2" ;;
+    # CISPO (arXiv 2506.13585) as verl's example: the weight clipped to [1 - 10, 1 + 0.2], i.e. no lower bound (bounds
+    # on the ratio: independent of the model and the response length)
+    grpo_cispo) echo "--clip-eps-low 10 --clip-eps-high 0.2" ;;
+    # CE-GPPO (arXiv 2509.20712) as the authors' 1.5B script: beta1 0.5, beta2 1, clip 0.2 / 0.2, dual clip c = 10;
+    # without its SFT term (--cegppo-sft-coef 0, the default): the only difference from vanilla is the clipping
+    grpo_cegppo) echo "--cegppo-beta1 0.5 --cegppo-beta2 1 --clip-ratio-c 10" ;;
+    # Lp-Reg (arXiv 2510.03222) as the authors' 14B script: kappa 0.02, rho 0.01 (a share of the A < 0 tokens: ~10 of
+    # a mini-batch's ~1,000 here), beta 1; PPO clip 0.2 / 0.2 as the other methods (the script's 1 / 9: ratio in
+    # [0, 10]), so that the only difference from vanilla is the penalty
+    grpo_lpreg) echo "--lpreg-kappa 0.02 --lpreg-rho 0.01 --lpreg-beta 1 --clip-eps-low 0.2 --clip-eps-high 0.2" ;;
+    # 8 updates per step (CE-GPPO's scripts: mini-batches of 16 of 128 prompts; CISPO's example: 4 of 1,024): the
+    # policy moves away from the sampler within a step and the clip acts (2 mini-batches leave ~0.1% of the tokens
+    # outside the clip range); micro-batches of 16, the mini-batch's size (the loss does not depend on it)
+    grpo_vanilla_mb8) echo "grpo_vanilla --num-mini-batches 8 --micro-batch-size 16" ;;
+    grpo_cispo_mb8) echo "grpo_cispo --clip-eps-low 10 --clip-eps-high 0.2 --num-mini-batches 8 --micro-batch-size 16" ;;
+    grpo_cegppo_mb8) echo "grpo_cegppo --cegppo-beta1 0.5 --cegppo-beta2 1 --clip-ratio-c 10 --num-mini-batches 8
+                           --micro-batch-size 16" ;;
     *) [ -f "$1.py" ] || { echo "unknown method $1: no $1.py (a variant: METHOD_FLAGS_$1=\"<script> <flags>\")" >&2
                            exit 1; } ;;
   esac
