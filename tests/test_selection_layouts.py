@@ -19,6 +19,14 @@ from launch import final_weights, read_metrics, run_dir, run_script, script_flag
 from safetensors.torch import load_file
 from test_selection import METHODS, SELECT
 
+# the new remedies' own global selections and means: Lp-Reg's selection over the mini-batch of all ranks (rho 0.2
+# selects from every mini-batch), CE-GPPO's SFT term's mean over the correct tokens of all ranks
+METHODS = {
+    **METHODS,
+    "grpo_lpreg.py": {"top-entropy-quantile": 0.2, "lpreg-rho": 0.2},
+    "grpo_cegppo.py": {"top-entropy-quantile": 0.2, "cegppo-sft-coef": 0.1},
+}
+
 LAYOUTS = {
     "one": (0, {"micro-batch-size": 4}),
     "two": (2, {"micro-batch-size": 4}),
@@ -29,6 +37,8 @@ EXTRA = {  # each method's state made non-trivial in two steps; vanilla's other 
     "grpo_aent.py": {"entropy-low": 0.5, "entropy-high": 0.6, "entropy-coef-lr": 0.01},
     "grpo_klcov.py": {},
     "grpo_clipcov.py": {},
+    "grpo_lpreg.py": {},
+    "grpo_cegppo.py": {},
 }
 TIMINGS = ("charts/tokens_per_second", "charts/padding_frac")
 COV = {"grpo_klcov.py": "cov/kl_selected", "grpo_clipcov.py": "cov/clipped_frac"}
@@ -61,6 +71,10 @@ def test_every_layout_trains_the_same_tokens_and_gives_the_same_update(testbed, 
     if script in COV:
         for r in runs["packed"]:
             assert r["cov/selected_frac"] > 0 and r["time/cov_selection"] > 0 and COV[script] in r
+    if script == "grpo_lpreg.py":  # selected on every mini-batch, below the proxy, on 1 and 2 ranks alike
+        assert all(r["lpreg/selected_frac"] > 0 and r["lpreg/k3_selected"] > 0 for r in runs["packed"])
+    if script == "grpo_cegppo.py":
+        assert all(r["cegppo/sft_nll"] > 0 for r in runs["packed"])
     if script == "grpo_klcov.py":
         assert any(r["cov/kl_selected"] > 0 for r in runs["packed"])  # the penalty acts from the second mini-batch on
         for r in runs["packed"]:
