@@ -1,6 +1,6 @@
 """The log-prob kernel of the method scripts: each response token's log-prob and full-vocabulary entropy under a model
-(and a method's own per-token value from the logits and targets, `extra`), the output head run chunk by chunk so that the
-[tokens, vocab] logits are never built, with a backward that keeps one float32 chunk. Knows no method."""
+(and a method's own per-token value from the logits and targets, `extra`), the output head run chunk by chunk so that
+the [tokens, vocab] logits are never built, with a backward that keeps one float32 chunk. Knows no method."""
 
 import math
 
