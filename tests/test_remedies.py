@@ -12,11 +12,15 @@ The references, transcribed into plain torch (their verl helpers inlined; verl_F
 benchmarks/reference_losses.py runs the references' own code (installed or checked out) on these inputs and compares;
 its result: benchmarks/results/reference_losses.txt."""
 
+import importlib
 import math
+import os
 
 import pytest
 import torch
-from launch import final_weights, read_metrics, run_dir, run_script, script_flags
+import tyro
+from launch import ROOT, final_weights, read_metrics, run_dir, run_script, script_flags
+from test_compare import dry_run, method_at
 
 import grpo_cegppo as ce
 import grpo_cispo as ci
@@ -334,3 +338,51 @@ def test_on_policy_updates_equal_vanillas(testbed, tmp_path):
             assert a["rollout/reward"] == b["rollout/reward"] and a["entropy/top20"] > a["entropy/full"]
             assert a["losses/grad_norm"] == pytest.approx(b["losses/grad_norm"], rel=1e-4), script
     assert all(r["lpreg/selected_frac"] > 0 and r["lpreg/outside_minp_frac"] >= 0 for r in rows["grpo_lpreg.py"])
+
+
+# ---- the authors' recipes (benchmarks/reproduce/, docs/fidelity.md) ----
+def recipe_args(script: str, **settings) -> dict:
+    """exp name -> the parsed Args of every training command a reproduction script prints (DRY_RUN)."""
+    parsed = {}
+    for argv in dry_run(os.path.join(ROOT, "benchmarks", "reproduce", script), **settings):
+        if (at := method_at(argv)) is not None:
+            module = importlib.import_module(argv[at][: -len(".py")])
+            args = tyro.cli(module.Args, args=argv[at + 1 :])
+            parsed[args.exp_name] = args
+    return parsed
+
+
+@pytest.mark.parametrize("size, beta1", [("1.5b", 0.5), ("7b", 0.75)])
+def test_the_cegppo_recipe_runs_the_authors_settings(size, beta1):
+    runs = recipe_args("cegppo_r1_distill_qwen.sh", SIZE=size)
+    assert set(runs) == {"grpo_vanilla", "grpo_cegppo", "grpo_cegppo_nosft"}
+    for args in runs.values():
+        assert args.num_prompts_per_step == 128 and args.group_size == 8 and args.num_mini_batches == 8
+        assert args.learning_rate == 1e-6 and args.warmup_steps == 10 and args.weight_decay == 0.1
+        assert (args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c) == (0.2, 0.2, 10)
+        assert args.filter_groups and args.max_gen_batches == 1 and args.max_response_length == 16384
+        assert args.kl_coef == 0 and args.model_name_or_path.endswith(f"Distill-Qwen-{size.upper()[:-1]}B")
+    assert (runs["grpo_cegppo"].cegppo_beta1, runs["grpo_cegppo"].cegppo_beta2) == (beta1, 1.0)
+    assert runs["grpo_cegppo"].cegppo_sft_coef == 0.1 and runs["grpo_cegppo_nosft"].cegppo_sft_coef == 0
+
+
+@pytest.mark.parametrize("off_policy, mini_batches", [("", 1), ("1", 8)])
+def test_the_lpreg_recipe_runs_the_authors_settings(off_policy, mini_batches):
+    runs = recipe_args("lpreg_qwen3_14b.sh", OFF_POLICY=off_policy)
+    assert set(runs) == {"grpo_vanilla", "grpo_lpreg"}
+    for args in runs.values():
+        assert args.num_prompts_per_step == 256 and args.group_size == 8 and args.num_mini_batches == mini_batches
+        assert (args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c) == (1, 9, 0) and args.learning_rate == 1e-6
+        assert not args.filter_groups and args.kl_coef == 0 and args.max_response_length == 8192
+    lpreg = runs["grpo_lpreg"]
+    assert (lpreg.lpreg_kappa, lpreg.lpreg_rho, lpreg.lpreg_beta) == (0.02, 0.01, 1.0)
+
+
+def test_the_cispo_recipe_runs_verls_example_and_trls_convention():
+    runs = recipe_args("cispo_qwen3_8b.sh")
+    assert set(runs) == {"grpo_vanilla", "grpo_cispo", "grpo_cispo_trl"}
+    for args in runs.values():
+        assert args.num_prompts_per_step == 1024 and args.group_size == 5 and args.num_mini_batches == 4
+        assert args.learning_rate == 1e-6 and args.kl_coef == 0.001 and args.max_response_length == 2048
+    assert (runs["grpo_cispo"].clip_eps_low, runs["grpo_cispo"].clip_eps_high) == (10, 0.2)
+    assert runs["grpo_cispo"].cispo_max_weight == 0 and runs["grpo_cispo_trl"].cispo_max_weight == 5
