@@ -20,6 +20,7 @@ FIRST = [
     "test_selection_layouts.py",
     "test_rollout_ranks.py",
     "test_faults.py",
+    "test_remedies.py",
 ]
 
 
