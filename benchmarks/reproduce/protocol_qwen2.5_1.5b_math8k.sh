@@ -171,6 +171,11 @@ method_flags() {  # $METHOD_FLAGS_<script>, when set, replaces the flags below
     grpo_clipcov) echo "--clip-cov-ratio 2e-4 --clip-cov-lb 1 --clip-cov-ub 5 --clip-eps-low 1 --clip-eps-high 1" ;;
     # the entropy-based advantage with the paper's GRPO values (METHODS="vanilla entadv")
     grpo_entadv) echo "--clip-eps-low 0.2 --clip-eps-high 0.2 --entadv-alpha 0.4 --entadv-kappa 2" ;;
+    # the new remedies with their published values (METHODS="vanilla cispo cegppo lpreg"): CISPO as verl's example
+    # (no dual clip); CE-GPPO's 1.5B script without its SFT term (the clipping alone); Lp-Reg's 14B script, clip 1 / 9
+    grpo_cispo) echo "--clip-eps-low 10 --clip-eps-high 0.2 --clip-ratio-c 0" ;;
+    grpo_cegppo) echo "--clip-eps-low 0.2 --clip-eps-high 0.2 --cegppo-beta1 0.5 --cegppo-beta2 1" ;;
+    grpo_lpreg) echo "--clip-eps-low 1 --clip-eps-high 9 --clip-ratio-c 0 --lpreg-kappa 0.02 --lpreg-rho 0.01" ;;
     *) [ -f "$1.py" ] || { echo "unknown method $1: no $1.py (vanilla, aent, klcov, clipcov or a grpo_<name>.py)" >&2
                            exit 1; } ;;
   esac
