@@ -484,7 +484,7 @@ def kernels(a) -> None:
     logits = (torch.randn(n, vocab, generator=g) * 2).to(dtype)  # as the head gives them
     targets, u, w = torch.randint(0, vocab, (n,), generator=g), torch.randn(n, generator=g), torch.randn(n, generator=g)
 
-    def clamped(z):  # grpo_aent.py's `clamped`: from each chunk's logits
+    def clamped(z, _):  # grpo_aent.py's `clamped`: from each chunk's logits (and targets)
         return ga.clamped_entropy(z.float() / temperature, clamp_p)
 
     def ours(extra, weights):
