@@ -45,7 +45,7 @@ MINP = [(0.02, 1.0), (0.1, 0.7), (0.5, 1.3)]  # (kappa, temperature)
 LOSS_RTOL, GRAD_RTOL, GRAD_ATOL, METRIC_RTOL, METRIC_ATOL = 1e-6, 1e-6, 1e-8, 1e-6, 1e-9
 
 
-# ---- inputs (those of tests/test_remedies.py) ----
+# ---- inputs (tests/test_remedies.py builds its cases with these too) ----
 def exact_log(value: float) -> float:
     """A float32 x with exp(x) == float32(value): a ratio exactly on a clip bound."""
     target, x = torch.tensor(value), torch.tensor(math.log(value))

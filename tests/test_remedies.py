@@ -9,8 +9,8 @@ The references, transcribed into plain torch (their verl helpers inlined; verl_F
 - Kwai-Klear/CE-GPPO at 10558fe, verl/trainer/ppo/core_algos.py, compute_gppo_loss_general_beta;
 - CarlanLark/Lp-Reg-dev at 33b27e2, verl/trainer/ppo/core_algos.py, compute_policy_loss_lp_reg, and
   verl/workers/actor/dp_actor.py, apply_min_p.
-benchmarks/reference_losses.py runs the references' own code (installed or checked out) on these inputs and compares;
-its result: benchmarks/results/reference_losses.txt."""
+benchmarks/reference_losses.py runs the references' own code (installed or checked out) on the same inputs (its case
+builders serve both) and compares; its result: benchmarks/results/reference_losses.txt."""
 
 import importlib
 import math
@@ -26,37 +26,18 @@ import grpo_cegppo as ce
 import grpo_cispo as ci
 import grpo_lpreg as lp
 import grpo_vanilla as gv
+from benchmarks import reference_losses
 
 
-def exact_log(value: float) -> float:
-    """A float32 x with exp(x) == float32(value) exactly: a ratio sitting on a clip bound (the bounds are compared in
-    float32, 1 - 0.2 as 0.800000011920929)."""
-    target, x = torch.tensor(value), torch.tensor(math.log(value))
-    for _ in range(200):
-        r = torch.exp(x)
-        if r == target:
-            return x.item()
-        x = torch.nextafter(x, torch.tensor(math.inf if r < target else -math.inf))
-    raise AssertionError(f"no float32 log of {value}")
+def micro_batch(seed: int, **shape):
+    """benchmarks/reference_losses.py's cases (the inputs its run of the references' own code saw): right-padded [B, T]
+    current and old log-probs, advantages (both signs and 0, per sequence) and the mask; log-ratios over [-3, 3], some
+    beyond the dual clip c, and in rows 0-3 ratios exactly on both bounds (float32: 1 - 0.2 is 0.800000011920929)."""
+    return micro_batch_of(reference_losses.micro_batch(seed, **shape))
 
 
-def micro_batch(seed: int, bounds=(0.8, 1.2), dual: float = 10.0, B: int = 8, T: int = 12):
-    """Right-padded [B, T] current and old log-probs, advantages (both signs and 0, per sequence) and the mask; log
-    ratios spread over [-3, 3] (every side of [0.8, 1.2] for each sign of A), some beyond the dual clip c, and, per
-    sign of A, ratios exactly on each bound."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(3, T + 1, (B,), generator=g)
-    mask = torch.arange(T)[None] < lengths[:, None]
-    old = -4 * torch.rand(B, T, generator=g)
-    log_ratio = torch.randn(B, T, generator=g).clamp(-3, 3)
-    log_ratio[:, 0] = math.log(dual) + 0.5  # r > c: the dual clip's branch where A < 0
-    logp = old + log_ratio
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.7, 0.0, 2.0, -2.0, 0.3])[:B, None].expand(B, T).contiguous()
-    adv = adv * (1 + 0.1 * seed)
-    for row in range(4):  # ratios exactly on the bounds (old = 0 keeps logp - old exact)
-        old[row, 1:3] = 0.0
-        logp[row, 1], logp[row, 2] = exact_log(bounds[0]), exact_log(bounds[1])
-    return logp.requires_grad_(), old, adv, mask, lengths
+def micro_batch_of(case: dict) -> tuple:
+    return case["logp"].requires_grad_(), case["old"], case["adv"], case["mask"], case["lengths"]
 
 
 def masked_mean(values, mask):  # verl_F.masked_mean, and agg_loss's token-mean on one micro-batch
@@ -189,7 +170,7 @@ def test_cegppo_gradients_on_each_branch_and_on_the_bounds():
     """d loss / d logp per token (A = +-1): beta1 (1 - eps) |A| below the range for A < 0, beta2 (1 + eps) above it
     for A > 0, r |A| elsewhere and on the bounds themselves (strict inequalities, as theirs), 0 beyond c for A < 0."""
     ratios = [0.5, 0.8, 1.0, 1.2, 1.5, 12.0]
-    logp = torch.tensor([exact_log(r) for r in ratios] * 2, requires_grad=True)
+    logp = torch.tensor([reference_losses.exact_log(r) for r in ratios] * 2, requires_grad=True)
     adv = torch.tensor([-1.0] * 6 + [1.0] * 6)
     loss, _ = ce.gppo_loss(logp, torch.zeros(12), adv, 0.2, 0.2, 10.0, 0.5, 0.75)
     (grad,) = torch.autograd.grad(loss.sum(), logp)
@@ -251,18 +232,11 @@ def authors_lp_reg(old_log_prob, log_prob, tgt_log_prob, advantages, response_ma
 
 
 def lpreg_inputs(seed: int, ties: bool = False):
-    """A micro-batch with a proxy: log pi_proxy = log pi_old + log(1 / kept mass) (a renormalised min-p set), a few
-    sampled tokens outside the set (-inf in ours; their -1e4 floor), some tokens far below the proxy (k3's clamp)."""
-    logp, old, adv, mask, lengths = micro_batch(seed, B=8, T=40)
-    g = torch.Generator().manual_seed(100 + seed)
-    logp.data = old + 0.3 * torch.randn(old.shape, generator=g)  # near on-policy, as Lp-Reg's runs
-    if ties:  # bf16-like log-probs: many equal values among the lowest
-        logp.data = (logp.data * 4).round() / 4
-    proxy = old - torch.log(torch.rand(old.shape, generator=g) * 0.5 + 0.5)
-    outside = torch.rand(old.shape, generator=g) < 0.1
-    proxy_theirs = proxy.masked_fill(outside, -1e4 - 3.0)
-    logp.data[1, :5] = proxy[1, :5] - 4.0  # x > 2.61 (A < 0): k3 clamped at 10, no gradient
-    return logp, old, adv, mask, lengths, proxy.masked_fill(outside, -math.inf), proxy_theirs
+    """reference_losses.py's Lp-Reg cases: near on-policy log-probs (ties: bf16-like, rounded to 1/4), a proxy
+    log pi_old + log(1 / kept mass), 10% of the sampled tokens outside the min-p set (-inf in ours; their -1e4 floor),
+    five tokens with A < 0 far below the proxy (k3 clamped at 10)."""
+    c = reference_losses.lpreg_inputs(seed, ties)
+    return (*micro_batch_of(c), c["proxy"], c["proxy_theirs"])
 
 
 @pytest.mark.parametrize("seed", range(4))
