@@ -384,6 +384,7 @@ if __name__ == "__main__":
 
     # the policy (DeepSpeed engine), the reference policy, the sampler (vLLM engine)
     G, mbs, clip = args.group_size, args.micro_batch_size, (args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c)
+    betas = (args.cegppo_beta1, args.cegppo_beta2)  # CE-GPPO: the gradient scales outside the clip range
     updates_per_step = args.num_mini_batches * args.num_epochs
     grading_workers = args.grading_workers or default_grading_workers()
     if rollout_ranks.serving():  # a rollout rank generates for the trainers until they stop, then exits
@@ -489,7 +490,6 @@ if __name__ == "__main__":
                         sums["entropy"] += entropy.sum().double()
                     old_logp, adv = old_logps[i], batch["advantages"]
                     weights = token_weights(batch["lengths"], *aggregation).to(device)
-                    betas = (args.cegppo_beta1, args.cegppo_beta2)
                     token_loss, clipped = gppo_loss(logp, old_logp, adv, *clip, *betas)  # CE-GPPO
                     if sampler is not None and args.vllm_is_cap:  # the sampler's tokens, weighted to the trainer's
                         token_loss = token_loss * rollout_weights(old_logp, sampler_logps[i], args.vllm_is_cap)
