@@ -15,6 +15,14 @@ TESTBED_ARGS := --model-name-or-path testbed/model --dataset testbed/train.jsonl
 	--total-steps 200 --num-prompts-per-step 16 --group-size 8 --max-prompt-length 128 --max-response-length 48 \
 	--num-mini-batches 2 --micro-batch-size 32 --learning-rate 2e-4 --warmup-steps 5 --no-gradient-checkpointing \
 	--eval-every 25 --eval-num-prompts 200 --eval-samples 16 --save-every 50 --vllm-is-cap 0
+BUILD := utils.testbed
+# TESTBED=fork: the fork testbed (testbed/fork/, utils/fork_testbed.py), the same GRPO settings; responses of ~23
+# tokens (32 at most); its test set is two sets of 200, majority and minority kind: 100 of each evaluated
+ifeq ($(TESTBED),fork)
+TESTBED_ARGS := $(subst testbed/,testbed/fork/,$(subst --max-response-length 48,--max-response-length 32,\
+	$(subst --eval-num-prompts 200,--eval-num-prompts 100,$(TESTBED_ARGS))))
+BUILD := utils.fork_testbed
+endif
 
 .PHONY: venv testbed test lint format
 venv: .venv/.installed
@@ -27,7 +35,7 @@ venv: .venv/.installed
 	touch $@
 
 testbed: venv
-	$(CPU_ENV) $(PY) -m utils.testbed
+	$(CPU_ENV) $(PY) -m $(BUILD)
 	$(CPU_ENV) $(PY) -m torch.distributed.run --nproc_per_node $(NPROC) --master_port 29511 $(SCRIPT) \
 		$(TESTBED_ARGS) $(ARGS)
 	$(PY) benchmarks/plot_run.py $$(ls -td runs/*/ | head -1)

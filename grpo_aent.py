@@ -610,7 +610,7 @@ if __name__ == "__main__":
         metrics.update(
             tracking.step_metrics(g, args, grad_norms, skipped, scheduler, time.time() - step_start, max_length)
         )
-        metrics["entropy/top20"] = tracking.top_entropy(torch.cat(entropies))  # of the 20% highest-entropy tokens
+        metrics.update(tracking.opening_metrics(entropies, batches, samples))  # the top 20% and first tokens
         coef_range = torch.tensor([coef_state, -coef_state], dtype=torch.float64, device=device)  # AEnt: max, -min
         dist.all_reduce(coef_range, op=dist.ReduceOp.MAX)
         metrics["entropy/clamped"] = g["clamped"] / g["tokens"]

@@ -551,7 +551,7 @@ if __name__ == "__main__":
         metrics.update(
             tracking.step_metrics(g, args, grad_norms, skipped, scheduler, time.time() - step_start, max_length)
         )
-        metrics["entropy/top20"] = tracking.top_entropy(torch.cat(entropies))  # of the 20% highest-entropy tokens
+        metrics.update(tracking.opening_metrics(entropies, batches, samples))  # the top 20% and first tokens
         if args.cegppo_sft_coef:  # CE-GPPO: the SFT term's NLL per update (its share of the loss: x coef)
             metrics["cegppo/sft_nll"] = g["sft_nll"] / updates_per_step
         tracker.log(metrics, step + 1)

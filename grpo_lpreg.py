@@ -589,7 +589,7 @@ if __name__ == "__main__":
         metrics.update(
             tracking.step_metrics(g, args, grad_norms, skipped, scheduler, time.time() - step_start, max_length)
         )
-        metrics["entropy/top20"] = tracking.top_entropy(torch.cat(entropies))  # of the 20% highest-entropy tokens
+        metrics.update(tracking.opening_metrics(entropies, batches, samples))  # the top 20% and first tokens
         metrics["lpreg/selected_frac"] = g["lp_selected"] / (g["tokens"] * args.num_epochs)  # Lp-Reg
         metrics["lpreg/k3_selected"] = g["lp_k3"] / max(g["lp_selected"], 1)
         metrics["lpreg/outside_minp_frac"] = g["outside_minp"] / g["tokens"]

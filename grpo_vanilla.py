@@ -503,7 +503,7 @@ if __name__ == "__main__":
         metrics.update(
             tracking.step_metrics(g, args, grad_norms, skipped, scheduler, time.time() - step_start, max_length)
         )
-        metrics["entropy/top20"] = tracking.top_entropy(torch.cat(entropies))  # of the 20% highest-entropy tokens
+        metrics.update(tracking.opening_metrics(entropies, batches, samples))  # the top 20% and first tokens
         tracker.log(metrics, step + 1)
         progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", entropy=f"{metrics['entropy/full']:.3f}")
 

@@ -20,6 +20,7 @@ from benchmarks.metrics import (  # noqa: E402
     COV,
     EVAL,
     EVAL_SAMPLED,
+    OPENING,
     REWARD,
     SAMPLING,
     SELECTION,
@@ -374,7 +375,19 @@ if __name__ == "__main__":
         "cov.png": [(k, label(k)) for k in COV],  # panels no run logged are left out
         "selection.png": [(k, label(k)) for k in SELECTION],
         "sampling.png": [(k, label(k)) for k in SAMPLING],
+        "opening.png": [(k, label(k)) for k in OPENING],
     }
+    # several held-out sets (eval/<set>/...; the fork testbed's majority and minority): each set's sampled accuracy
+    # and largest pass@k
+    sets = sorted(
+        {k.split("/")[1] for r in runs for row in r["rows"] for k in row if re.fullmatch(r"eval/[^/]+/acc", k)}
+    )
+    set_pass = sorted(
+        {k.split("/")[-1] for r in runs for row in r["rows"] for k in row if re.fullmatch(r"eval/[^/]+/pass@\d+", k)},
+        key=lambda k: int(k.split("@")[1]),
+    )[-1:]
+    if len(sets) > 1:
+        figures["eval_sets.png"] = [(f"eval/{s}/{m}", f"{s}: {m}") for s in sets for m in ("mean_acc", *set_pass)]
     for namespace, keys in own_metrics({k for r in runs for row in r["rows"] for k in row}).items():
         figures[f"{namespace}.png"] = [(k, label(k)) for k in keys]  # a new method's own metrics
     written = [
@@ -474,6 +487,7 @@ if __name__ == "__main__":
     )
     # several held-out sets (eval/<set>/acc; eval/acc is their mean): each set's greedy accuracy too
     set_keys = sorted({k for r in runs for row in r["rows"] for k in row if re.fullmatch(r"eval/[^/]+/acc", k)})
+    set_sampled = [f"eval/{s}/{m}" for s in sets for m in ("mean_acc", *set_pass)] if len(sets) > 1 else []
     keys = [
         k
         for k in (
@@ -481,9 +495,12 @@ if __name__ == "__main__":
             *(set_keys if len(set_keys) > 1 else []),
             "eval/mean_acc",
             *pass_keys[-1:],
+            *set_sampled,
             "eval/entropy",
             E,
             "entropy/top20",
+            "entropy/first_token",
+            "rollout/first_token_minority",
             "entropy/kept",
             "entropy/kept_frac",
             "rollout/filtered_frac",

@@ -21,6 +21,8 @@ SAMPLING = ("rollout/gen_rounds", "rollout/generated_groups", "rollout/filtered_
 EVAL = ("eval/acc", "eval/response_length")  # greedy, on --eval-dataset, every --eval-every steps
 # with --eval-samples k: k samples per eval prompt at the training temperature (pass@k for k = 2, 4, 8, ... and k)
 EVAL_SAMPLED = ("eval/mean_acc", "eval/pass@16", "eval/entropy")
+# every method: the first response token, where a response commits to its approach (utils/fork_testbed.py's fork)
+OPENING = ("rollout/first_token_minority", "entropy/first_token")
 COV = ("cov/selected_frac", "cov/selected_mean", "cov/mean", "cov/kl_selected", "cov/clipped_frac")  # KL-Cov, Clip-Cov
 THROUGHPUT = ("charts/tokens_per_second",)
 TIME = ("time/step", "time/generation", "time/logprob", "time/training", "time/weight_push", "time/cov_selection")
@@ -45,6 +47,8 @@ LABELS = {
     "rollout/gen_rounds": "dynamic sampling: generation rounds per step",
     "rollout/generated_groups": "dynamic sampling: groups generated per step",
     "rollout/filtered_frac": "dynamic sampling: share of groups dropped (all equal)",
+    "rollout/first_token_minority": "share of responses not opening with the most frequent first token",
+    "entropy/first_token": "entropy of the first response token (nats)",
     "cov/selected_frac": "Cov: fraction of tokens selected",
     "cov/selected_mean": "Cov: mean covariance of the selected",
     "cov/mean": "Cov: mean covariance of all tokens",

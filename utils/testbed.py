@@ -395,12 +395,13 @@ def measure(
     return stats
 
 
-def sft(model, tok, sft_rows, dev_rows, r: Recipe, log=print) -> dict:
+def sft(model, tok, sft_rows, dev_rows, r, log=print, targets=None, dev_accuracy=None) -> dict:
     """Supervised warm-up on the noisy worked solutions (AdamW, linear warm-up, constant lr, loss on response tokens
-    only), a fixed number of steps; logs the loss and the dev greedy accuracy every eval_every steps."""
+    only), a fixed number of steps; logs the loss and the dev greedy accuracy every eval_every steps. `targets` and
+    `dev_accuracy(model)` default to this testbed's (utils/fork_testbed.py passes its own)."""
     import torch
 
-    seqs, prompt_lens = encode_sft(sft_rows, sft_targets(sft_rows, r), tok)
+    seqs, prompt_lens = encode_sft(sft_rows, sft_targets(sft_rows, r) if targets is None else targets, tok)
     gen = torch.Generator().manual_seed(r.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=r.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / r.warmup_steps))
@@ -420,7 +421,7 @@ def sft(model, tok, sft_rows, dev_rows, r: Recipe, log=print) -> dict:
         opt.step()
         sched.step()
         if step % r.eval_every == 0 or step == steps:
-            greedy = measure(model, tok, dev_rows, n_samples=0)["accuracy"]
+            greedy = dev_accuracy(model) if dev_accuracy else measure(model, tok, dev_rows, n_samples=0)["accuracy"]
             history.append({"step": step, "loss": round(loss.item(), 4), "dev_greedy_acc": round(greedy, 4)})
             log(f"sft step {step:4d}  loss {loss.item():.3f}  dev greedy acc {greedy:.3f}  ({time.time() - t0:.0f}s)")
     return {"steps": steps, "history": history}
@@ -491,13 +492,15 @@ def _build(out_dir: str, r: Recipe, log=print) -> dict:
 
 
 def files_sha256(root: str) -> dict:
-    """sha256 of every file under root except stats.json (which records them), by relative path."""
+    """sha256 of every file under root except stats.json (which records them), by relative path; a folder below with
+    a stats.json of its own is another testbed (testbed/fork/) and left out, as its build's lock (testbed/fork.lock)."""
     hashes = {}
-    for dirpath, _, files in os.walk(root):
+    for dirpath, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not os.path.isfile(os.path.join(dirpath, d, "stats.json")))
         for name in files:
             path = os.path.join(dirpath, name)
             rel = os.path.relpath(path, root)
-            if rel != "stats.json":
+            if rel != "stats.json" and not rel.endswith(".lock"):
                 with open(path, "rb") as f:
                     hashes[rel] = hashlib.sha256(f.read()).hexdigest()
     return dict(sorted(hashes.items()))
@@ -549,29 +552,38 @@ def build_testbed(
     to a temp dir renamed into place with stats.json written last, so a dir is either complete or rebuilt."""
     r = recipe or Recipe()
     cache_dir = os.path.abspath(os.path.expanduser(cache_dir or default_cache_dir()))
-    if not force and (tb := _load(cache_dir, r)) is not None:
+    return cached_build(cache_dir, force, lambda: _load(cache_dir, r), lambda tmp: _build(tmp, r, log), r.num_threads)
+
+
+def cached_build(cache_dir: str, force: bool, load, build, num_threads: int):
+    """load() if it finds a complete build in cache_dir (and not `force`), else build(tmp) (its stats) into a temp dir
+    under a file lock, stats.json written, the dir renamed into place, then load()."""
+    if not force and (tb := load()) is not None:
         return tb
     parent = os.path.dirname(cache_dir)
     os.makedirs(parent, exist_ok=True)
     with open(cache_dir + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not force and (tb := _load(cache_dir, r)) is not None:
+        if not force and (tb := load()) is not None:
             return tb  # another process built it while we waited
         tmp = tempfile.mkdtemp(prefix=os.path.basename(cache_dir) + ".tmp-", dir=parent)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the testbed is shared data
         old = tmp + ".old"
         try:
-            with _quiet_and_isolated(r.num_threads):
-                stats = _build(tmp, r, log=log)
+            with _quiet_and_isolated(num_threads):
+                stats = build(tmp)
             with open(os.path.join(tmp, "stats.json"), "w") as f:
                 json.dump(stats, f, indent=1)
             if os.path.exists(cache_dir):
+                for name in os.listdir(cache_dir):  # a testbed kept inside this one (testbed/fork/) stays
+                    if os.path.isfile(os.path.join(cache_dir, name, "stats.json")):
+                        os.rename(os.path.join(cache_dir, name), os.path.join(tmp, name))
                 os.rename(cache_dir, old)
             os.rename(tmp, cache_dir)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(old, ignore_errors=True)
-    return _load(cache_dir, r)
+    return load()
 
 
 KINDS = {"a + b + c": lambda t: min(t) > 0, "a - b + c": lambda t: t[1] < 0, "a + b - c": lambda t: t[2] < 0}

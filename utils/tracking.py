@@ -61,6 +61,22 @@ def top_entropy(entropies: torch.Tensor, share: float = 0.2) -> float:
     return gathered[gathered >= quantile(gathered, 1 - share)].mean().item()
 
 
+def opening_metrics(entropies: list, batches: list, samples: list) -> dict:
+    """A step's entropy metrics over all ranks from this rank's entropies (one flat tensor per micro-batch of
+    `batches`) and Samples: entropy/top20 (top_entropy); entropy/first_token, the mean entropy of the first response
+    token, where a response commits to its approach (the fork of utils/fork_testbed.py); rollout/first_token_minority,
+    the share of responses that open with another token than the step's most frequent opening."""
+    firsts = [e[0] for ent, b in zip(entropies, batches) for e in ent.split(b["lengths"].tolist()) if len(e)]
+    first_entropy = gather_ranks(torch.stack(firsts).float() if firsts else entropies[0].new_zeros(0).float())[0]
+    opening = torch.tensor([s.ids[0] if s.ids else -1 for s in samples], device=entropies[0].device)
+    opening = gather_ranks(opening)[0]
+    return {
+        "entropy/top20": top_entropy(torch.cat(entropies)),  # of the 20% highest-entropy tokens
+        "entropy/first_token": first_entropy.mean().item(),
+        "rollout/first_token_minority": 1 - torch.unique(opening, return_counts=True)[1].max().item() / len(opening),
+    }
+
+
 def step_metrics(g: dict, args, grad_norms: list, skipped: int, scheduler, step_time: float, max_length) -> dict:
     """The shared metrics of a training step (docs/training.md) from its sums over ranks `g`: means per sequence,
     token or optimizer update; the sampler's, the reference KL's and the 80/20 rule's when they ran."""

@@ -22,6 +22,9 @@
 #   PARALLEL=1 bash benchmarks/reproduce/testbed.sh             # one run at a time (1-core machines)
 #   SEEDS="1" STEPS=50 bash benchmarks/reproduce/testbed.sh     # a quick look
 #   DRY_RUN=1 bash benchmarks/reproduce/testbed.sh              # print the commands only
+#   TESTBED=fork METHODS="grpo_vanilla grpo_aent grpo_klcov grpo_clipcov grpo_entadv grpo_cispo grpo_cegppo \
+#     grpo_lpreg grpo_vanilla_top20" OUT=runs/testbed_fork RESULTS=benchmarks/results/testbed/fork \
+#     bash benchmarks/reproduce/testbed.sh                      # every method on the fork testbed (below)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -40,10 +43,20 @@ fi
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_LOGGING_LEVEL=WARNING WANDB_MODE=offline \
   HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false TORCHDYNAMO_DISABLE=1
 
-MODEL=testbed/model TRAIN=testbed/train.jsonl TEST=testbed/test.jsonl
+# TESTBED=fork: the fork testbed (testbed/fork/, utils/fork_testbed.py): the same GRPO settings but for responses of
+# at most 32 tokens and its two test sets (majority and minority kind) of which 100 each are evaluated
+TESTBED=${TESTBED:-arithmetic}
+case "$TESTBED" in
+  arithmetic) DIR=testbed BUILD=utils.testbed MAX_RESPONSE=48 EVAL_PROMPTS=200
+              AENT_BOX="--entropy-low 0.08 --entropy-high 0.10" ;;
+  fork) DIR=testbed/fork BUILD=utils.fork_testbed MAX_RESPONSE=32 EVAL_PROMPTS=100
+        AENT_BOX="--entropy-low 0.044 --entropy-high 0.055" ;;
+  *) echo "error: unknown TESTBED=$TESTBED (arithmetic or fork)" >&2; exit 1 ;;
+esac
+MODEL=$DIR/model TRAIN=$DIR/train.jsonl TEST=$DIR/test.jsonl
 if [ -z "${DRY_RUN:-}" ]; then
   [ -x "$PY" ] || { echo "error: no python at $PY: run \`make venv\` or set PY" >&2; exit 1; }
-  "$PY" -m utils.testbed  # checks the shipped files against stats.json (rebuilds only if they are missing)
+  "$PY" -m "$BUILD"  # checks the shipped files against stats.json (rebuilds only if they are missing)
   rm -rf "$OUT"  # compare.py reads every run under $OUT: only this invocation's
   mkdir -p "$OUT/logs"
 fi
@@ -54,9 +67,9 @@ fi
 # only if all four make the same updates; no rollout correction (--vllm-is-cap 0: the CPU engine's log-probs equal the
 # trainer's to ~4e-7, nothing to correct, and the published runs predate the flag)
 COMMON=(
-  --model-name-or-path "$MODEL" --dataset "$TRAIN" --eval-dataset "$TEST" --eval-every 25 --eval-num-prompts 200
+  --model-name-or-path "$MODEL" --dataset "$TRAIN" --eval-dataset "$TEST" --eval-every 25 --eval-num-prompts "$EVAL_PROMPTS"
   --eval-samples 16 --output-dir "$OUT" --total-steps "$STEPS" --save-every 0
-  --num-prompts-per-step 16 --group-size 8 --max-prompt-length 128 --max-response-length 48
+  --num-prompts-per-step 16 --group-size 8 --max-prompt-length 128 --max-response-length "$MAX_RESPONSE"
   --num-mini-batches 2 --micro-batch-size 32 --learning-rate 2e-4 --warmup-steps 5 --no-gradient-checkpointing
   --vllm-is-cap 0
 )
@@ -79,7 +92,9 @@ method_flags() {
     # move a policy whose tokens are mostly near-deterministic (the entropy gradient of a token scales with its
     # entropy), so coef_0, its step size and range are scaled up (paper: lr 2e-3, warm-up 30)
     # (step sizes of 5 and 2 overshot: the entropy swung 0.08 -> 0.12 -> 0.09 within 50 steps, and to 0.21 and back)
-    grpo_aent) echo "--clamp-p 0.33 --entropy-coef 0.05 --entropy-low 0.08 --entropy-high 0.10 --entropy-coef-lr 0.5
+    # (the fork testbed starts at 0.074 nats, steps 1-10 of vanilla's seed 1: the box at the same 60-75%, the rest
+    # as here)
+    grpo_aent) echo "--clamp-p 0.33 --entropy-coef 0.05 $AENT_BOX --entropy-coef-lr 0.5
                      --entropy-coef-warmup 10 --entropy-coef-min 0 --entropy-coef-max 0.5" ;;
     # the paper's ratio (2e-3) selects 4 of a ~2,000-token mini-batch here: 0.1 selects ~200
     grpo_klcov) echo "--kl-cov-ratio 0.1 --ppo-kl-coef 1" ;;
