@@ -18,6 +18,14 @@ PANELS = [
     ("reward (training samples)", [("rollout/reward", "reward")]),
     ("entropy (nats per response token)", [("entropy/full", "training samples"), ("eval/entropy", "eval samples")]),
     ("held-out accuracy", [("eval/acc", "greedy"), ("eval/mean_acc", "sampled (mean@k)"), ("eval/pass@16", "pass@16")]),
+    (  # the fork testbed's fork, and its minority kind's pass@16 (the other testbed has no such set)
+        "the first response token",
+        [
+            ("entropy/first_token", "its entropy (nats)"),
+            ("rollout/first_token_minority", "share of the less usual openings"),
+            ("eval/minority/pass@16", "minority kind: pass@16"),
+        ],
+    ),
 ]
 
 

@@ -17,6 +17,7 @@ from benchmarks.metrics import (  # noqa: E402
     ENTROPY,
     EVAL,
     EVAL_SAMPLED,
+    OPENING,
     REWARD,
     SAMPLING,
     SELECTION,
@@ -68,6 +69,12 @@ def sections(eval_datasets=(), logged=()) -> list:
             "Full-vocabulary entropy of the sampling policy, and of its 20% highest-entropy tokens; AEnt's clamped "
             "entropy and its coefficient.",
             list(ENTROPY),
+        ),
+        (
+            "Opening",
+            "The first response token, where a response commits to its approach: the policy's entropy there, and "
+            "the share of responses that open otherwise than the most frequent way (the fork testbed's rare branch).",
+            list(OPENING),
         ),
         (
             "Reward and accuracy",

@@ -1,5 +1,5 @@
 """utils/fork_testbed.py: the shipped fork testbed (its files, its task, the base policy's fork) and the opening
-metrics every script logs (utils/tracking.opening_metrics) on two gloo ranks."""
+metrics every script logs (utils/tracking.opening_metrics)."""
 
 import dataclasses
 import json
@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from utils import fork_testbed as fork
@@ -50,7 +49,7 @@ def test_the_task_kinds_answers_and_branches():
             assert fork.branch_of(text) == branch
             right = math_reward(text, row["answer"])
             assert right == (1.0 if branch == (row["data_source"] == "minority") else 0.0), (text, row)
-    assert fork.kind(37, 48) == fork.kind(37, 48) and fork.branch_of("the sum") is None
+    assert fork.branch_of("the sum") is None and fork.branch_of("a::: 37 + 48") == 0
 
 
 def test_base_policy_forks_the_same_way_on_both_kinds():
@@ -72,37 +71,55 @@ def test_base_policy_forks_the_same_way_on_both_kinds():
     assert by_kind["minority"]["pass@k"]["8"] > 0.4
 
 
-def _opening_worker(rank, port, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def test_opening_metrics():
+    """entropy/first_token is the mean of the responses' first-token entropies, whatever the micro-batches;
+    rollout/first_token_minority the share not opening with the most frequent first token (on one gloo rank: the
+    gather over ranks is gather_ranks, tested on two in test_selection's entropy/top20)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        # rank 0: two micro-batches (3 and 1 responses), rank 1: one (2 responses); first tokens 5 5 7 | 5 | 9 5
-        lengths = [[2, 3, 1], [4]] if rank == 0 else [[1, 2]]
-        first_ids = [5, 5, 7, 5] if rank == 0 else [9, 5]
+        lengths, first_ids = [[2, 3, 1], [4], [1, 2]], [5, 5, 7, 5, 9, 5]  # three micro-batches, six responses
         entropies, k = [], 0
         for mb in lengths:
-            flat = torch.cat([torch.full((n,), 0.01) for n in mb])
-            starts = torch.tensor([0, *mb]).cumsum(0)[:-1]
-            for s in starts:
-                flat[s] = 0.1 * (k + 1) + rank  # each response's first-token entropy
+            flat = torch.full((sum(mb),), 0.01)
+            for start in torch.tensor([0, *mb]).cumsum(0)[:-1]:
                 k += 1
+                flat[start] = 0.1 * k  # each response's first-token entropy
             entropies.append(flat)
         batches = [{"lengths": torch.tensor(mb)} for mb in lengths]
         samples = [SimpleNamespace(ids=[i, 1, 2]) for i in first_ids]
-        results[rank] = tracking.opening_metrics(entropies, batches, samples)
+        metrics = tracking.opening_metrics(entropies, batches, samples)
     finally:
         dist.destroy_process_group()
+    assert metrics["entropy/first_token"] == pytest.approx(0.1 * sum(range(1, 7)) / 6)
+    assert metrics["rollout/first_token_minority"] == pytest.approx(2 / 6)  # 5 opens 4 of the 6
+    assert metrics["entropy/top20"] == pytest.approx(torch.cat(entropies).topk(3).values.mean().item())
 
 
-def test_opening_metrics_over_two_ranks():
-    """entropy/first_token is the mean over all ranks' responses of their first token's entropy, whatever the
-    micro-batches; rollout/first_token_minority the share not opening with the most frequent first token."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_opening_worker, args=(port, results), nprocs=2, join=True)
-    assert results[0] == results[1]
-    first = [0.1, 0.2, 0.3, 0.4, 1.1, 1.2]
-    assert results[0]["entropy/first_token"] == pytest.approx(sum(first) / 6)
-    assert results[0]["rollout/first_token_minority"] == pytest.approx(2 / 6)  # 5 opens 4 of the 6
+def test_make_testbed_fork_runs_the_fork_testbed_with_the_first_ones_settings():
+    """`make testbed TESTBED=fork` passes the script the fork testbed's files and the first testbed's GRPO settings
+    but for the response length and the prompts per eval set; without TESTBED the first testbed, unchanged."""
+    import shlex
+    import subprocess
+
+    import tyro
+
+    from grpo_vanilla import Args
+
+    def flags(*make_args):
+        out = subprocess.run(["make", "-n", "testbed", *make_args], capture_output=True, text=True, check=True)
+        line = next(x for x in out.stdout.replace("\\\n", " ").splitlines() if "grpo_vanilla.py" in x)
+        return shlex.split(line.split("grpo_vanilla.py", 1)[1])
+
+    first, forked = tyro.cli(Args, args=flags()), tyro.cli(Args, args=flags("TESTBED=fork"))
+    assert (first.model_name_or_path, first.max_response_length, first.eval_num_prompts) == ("testbed/model", 48, 200)
+    assert (forked.model_name_or_path, forked.dataset, forked.eval_dataset) == (
+        "testbed/fork/model",
+        "testbed/fork/train.jsonl",
+        ("testbed/fork/test.jsonl",),
+    )
+    assert (forked.max_response_length, forked.eval_num_prompts) == (32, 100)
+    changed = {k for k, v in vars(first).items() if vars(forked)[k] != v}
+    assert changed == {"model_name_or_path", "dataset", "eval_dataset", "max_response_length", "eval_num_prompts"}

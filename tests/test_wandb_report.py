@@ -10,13 +10,26 @@ import sys
 import pytest
 
 from benchmarks.compare import aggregate, history_to_rows, law_points, wandb_run_record
-from benchmarks.metrics import CLIP, COV, ENTROPY, EVAL, EVAL_SAMPLED, REWARD, SAMPLING, SELECTION, THROUGHPUT, TIME
+from benchmarks.metrics import (
+    CLIP,
+    COV,
+    ENTROPY,
+    EVAL,
+    EVAL_SAMPLED,
+    OPENING,
+    REWARD,
+    SAMPLING,
+    SELECTION,
+    THROUGHPUT,
+    TIME,
+)
 from benchmarks.wandb_report import Args, api_filters, build_report, sections, settings_markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.filterwarnings("ignore:Pydantic V1 style:DeprecationWarning")  # inside wandb_workspaces
 SECTIONS = [
     "Entropy",
+    "Opening",
     "Reward and accuracy",
     "Evaluation per dataset",
     "Clipping",
@@ -74,11 +87,12 @@ def test_report_sections_panels_grouping_and_filters():
     )
     report = build_report(args, RUNS)
     kinds = [type(b).__name__ for b in report.blocks]
-    assert kinds == ["MarkdownBlock"] + ["H2", "P", "PanelGrid"] * 8
+    assert kinds == ["MarkdownBlock"] + ["H2", "P", "PanelGrid"] * 9
     assert [b.text for b in report.blocks if type(b).__name__ == "H2"] == SECTIONS
     grids = [b for b in report.blocks if type(b).__name__ == "PanelGrid"]
     expected = [
         list(ENTROPY),
+        list(OPENING),
         [*REWARD, "eval/acc"],
         [*EVAL, *EVAL_SAMPLED],
         list(CLIP),
@@ -114,7 +128,7 @@ def test_group_by_run_group_and_eval_datasets():
         Args(group=("grpo_aent",), group_by="group", eval_datasets=("math500", "aime24"), job_type="")
     )
     grids = [b for b in report.blocks if type(b).__name__ == "PanelGrid"]
-    assert [p.y[0] for p in grids[2].panels] == ["eval/math500/acc", "eval/aime24/acc"]
+    assert [p.y[0] for p in grids[3].panels] == ["eval/math500/acc", "eval/aime24/acc"]
     assert all(g.runsets[0].groupby == ["group"] for g in grids)
     assert grids[0].runsets[0].filters == "Metric(\"Group\") in ['grpo_aent']"
     assert "read from wandb when the report is saved" in report.blocks[0].text  # no runs read: no settings

@@ -131,9 +131,10 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
 
 
 def branch_of(text: str) -> int | None:
-    """Which of BRANCHES a response opens with, or None."""
-    m = re.match(r"\s*(\w+)", text)
-    return BRANCHES.index(m.group(1)) if m and m.group(1) in BRANCHES else None
+    """Which of BRANCHES a response opens with, by its first letter (the fork token: GRPO leaves the rest of the word
+    free to drift, e.g. "a::: 37 + 48"), or None."""
+    m = re.match(r"\s*([a-z])", text)
+    return [b[0] for b in BRANCHES].index(m.group(1)) if m and m.group(1) in "as" else None
 
 
 def measure(model, tok, rows: list[dict], n_samples: int, seed: int = 0, max_new_tokens: int = 32) -> dict:
