@@ -159,7 +159,8 @@ class Args:
     """dual clip: where A < 0 the loss is at most -A c (verl's clip_ratio_c, its default 3); 0: PPO's clip alone"""
     vllm_is_cap: float = 2.0
     """truncated importance sampling: each token's loss times min(pi_old / pi_vllm, C) against the sampler's numerical
-    disagreement with the trainer (bf16 kernels); on by default in TRL (C = 2 per token; verl: off); 0 disables"""
+    disagreement with the trainer (bf16 kernels); 0 disables. verl: off by default; TRL 1.16: on by default, but as a
+    sequence-level mask at C = 3 (its vllm_importance_sampling_mode "sequence_mask"; its "token_truncate" is this)"""
     kl_coef: float = 0.0
     """coefficient of the k3 KL to the initial policy; 0 (default) does not load a reference model"""
     scale_rewards: bool = True
@@ -573,7 +574,7 @@ if __name__ == "__main__":
                         log_ratio = logp - old_logp
                         sums["loss"] += loss.detach().double()
                         sums["clipped"] += (clipped.float() * weights).sum().double()
-                        tracking.clip_sums(sums, log_ratio, adv, weights, args.clip_eps_low, args.clip_eps_high)
+                        tracking.clip_sums(sums, log_ratio, adv, weights, *clip[:2])
                         sums["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * weights).sum().double()
                 if args.coef_cadence == "update":  # AEnt, TRL 1.16: the update's world entropy steps the coefficient
                     window = distributed.all_reduce_sums({k: sums[k] - v for k, v in window.items()}, device)

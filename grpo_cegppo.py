@@ -6,7 +6,9 @@ of the tokens outside [1 - eps_low, 1 + eps_high]; those with A < 0 and a fallin
 they could, those with A > 0 and a rising one spread it. What changes relative to grpo_vanilla.py:
 1. Where r < 1 - eps_low and A < 0: loss -beta1 (1 - eps_low) (r / sg(r)) A (the value of PPO's clip, a gradient
    beta1 (1 - eps_low) |A|); where r > 1 + eps_high and A > 0: -beta2 (1 + eps_high) (r / sg(r)) A; elsewhere -r A;
-   then the dual clip where A < 0 (--clip-ratio-c, 10 in the authors' scripts). beta1 > beta2 raises entropy.
+   then the dual clip where A < 0 (--clip-ratio-c, 10 in the authors' scripts). By the authors' analysis the beta1
+   branch (negative, mostly low-probability tokens pushed further down) lowers entropy and the beta2 branch
+   (positive ones made likelier) raises it: their beta1 0.5 < beta2 1 leans towards exploration.
 2. --cegppo-sft-coef: the authors' scripts also add 0.1 x the NLL of correct responses (their positive_loss_coeff);
    off here by default, so that a comparison measures the clipping alone.
     deepspeed --num_gpus 8 grpo_cegppo.py --model-name-or-path Qwen/Qwen2.5-Math-1.5B --dataset <train file>
@@ -162,7 +164,8 @@ class Args:
     """dual clip: where A < 0 the loss is at most -A c (verl's clip_ratio_c; CE-GPPO's scripts: 10); 0: off"""
     vllm_is_cap: float = 2.0
     """truncated importance sampling: each token's loss times min(pi_old / pi_vllm, C) against the sampler's numerical
-    disagreement with the trainer (bf16 kernels); on by default in TRL (C = 2 per token; verl: off); 0 disables"""
+    disagreement with the trainer (bf16 kernels); 0 disables. verl: off by default; TRL 1.16: on by default, but as a
+    sequence-level mask at C = 3 (its vllm_importance_sampling_mode "sequence_mask"; its "token_truncate" is this)"""
     kl_coef: float = 0.0
     """coefficient of the k3 KL to the initial policy; 0 (default) does not load a reference model"""
     scale_rewards: bool = True
@@ -295,16 +298,32 @@ def gppo_loss(logp, old_logp, advantages, eps_low: float, eps_high: float, clip_
     """Per-token CE-GPPO loss, the authors' compute_gppo_loss_general_beta: r = exp(logp - old_logp) (log-ratio
     clamped to +-20 as in every loss here; theirs is not); -beta1 (1 - eps_low) (r / sg(r)) A where r < 1 - eps_low
     and A < 0, -beta2 (1 + eps_high) (r / sg(r)) A where r > 1 + eps_high and A > 0, -r A elsewhere (ties with a bound
-    included); with clip_c, min(loss, -A clip_c) where A < 0. Returns it and the mask of the dual-clipped tokens (no
-    gradient: PPO's clip leaves none here)."""
+    included); with clip_c, min(loss, -A clip_c) where A < 0. r / sg(r) is taken as exp(logp - sg(logp)): 1, with the
+    gradient of logp at any ratio (the clamp's would vanish beyond +-20). Returns the loss and the mask of the
+    dual-clipped tokens (no gradient: PPO's clip leaves none here)."""
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
     low, high = (ratio < 1.0 - eps_low) & (advantages < 0), (ratio > 1.0 + eps_high) & (advantages > 0)
     bound = torch.where(low, beta1 * (1.0 - eps_low), beta2 * (1.0 + eps_high))
-    loss = torch.where(low | high, -bound * (ratio / ratio.detach()) * advantages, -ratio * advantages)
+    loss = torch.where(low | high, -bound * torch.exp(logp - logp.detach()) * advantages, -ratio * advantages)
     if not clip_c:
         return loss, torch.zeros_like(low)
     cap = -advantages * clip_c
     return torch.where(advantages < 0, torch.minimum(loss, cap), loss), (advantages < 0) & (loss > cap)
+
+
+def branch_gradients(log_ratio, advantages, eps_low: float, eps_high: float, clip_c: float, beta1: float, beta2: float):
+    """|d loss / d logp| of each token (no grad) by the branch of gppo_loss that gave it: beta1 (A < 0 below the range:
+    lowers entropy, by the authors' analysis), beta2 (A > 0 above it: raises it), inside (r |A|; 0 where the dual clip
+    holds)."""
+    ratio, a = torch.exp(log_ratio.clamp(-20.0, 20.0)), advantages.abs()
+    low, high = (ratio < 1.0 - eps_low) & (advantages < 0), (ratio > 1.0 + eps_high) & (advantages > 0)
+    dual = (advantages < 0) & ~low & (ratio > clip_c) if clip_c else torch.zeros_like(low)
+    inside = ~(low | high | dual)
+    return {
+        "beta1": beta1 * (1.0 - eps_low) * a * low,
+        "beta2": beta2 * (1.0 + eps_high) * a * high,
+        "inside": ratio * a * inside,
+    }
 
 
 def correct_tokens(samples: list, graded: list, lengths) -> torch.Tensor:
@@ -449,7 +468,7 @@ if __name__ == "__main__":
         sums = dict.fromkeys(["entropy", "loss", "clipped", "approx_kl", "ref_kl"], 0.0)  # over the step, then ranks
         sums.update(dict.fromkeys(["kept", "kept_entropy", "threshold", "selections"], 0.0))  # the 80/20 rule
         sums.update(dict.fromkeys(tracking.CLIP_SUMS, 0.0))  # where the ratio left the clip range
-        sums["sft_nll"] = 0.0  # CE-GPPO's SFT term
+        sums.update(dict.fromkeys(["sft_nll", "grad_beta1", "grad_beta2", "grad_inside"], 0.0))  # CE-GPPO
         if separate_pass:
             with torch.no_grad():
                 for batch in batches:
@@ -491,6 +510,8 @@ if __name__ == "__main__":
                     old_logp, adv = old_logps[i], batch["advantages"]
                     weights = token_weights(batch["lengths"], *aggregation).to(device)
                     token_loss, clipped = gppo_loss(logp, old_logp, adv, *clip, *betas)  # CE-GPPO
+                    for branch, grad in branch_gradients(logp.detach() - old_logp, adv, *clip, *betas).items():
+                        sums[f"grad_{branch}"] += (grad * weights).sum().double()  # CE-GPPO: which branch pushes
                     if sampler is not None and args.vllm_is_cap:  # the sampler's tokens, weighted to the trainer's
                         token_loss = token_loss * rollout_weights(old_logp, sampler_logps[i], args.vllm_is_cap)
                     if select:  # 80/20 rule: the policy-gradient term on the kept tokens only
@@ -520,7 +541,7 @@ if __name__ == "__main__":
                         log_ratio = logp - old_logp
                         sums["loss"] += loss.detach().double()
                         sums["clipped"] += (clipped.float() * weights).sum().double()
-                        tracking.clip_sums(sums, log_ratio, adv, weights, args.clip_eps_low, args.clip_eps_high)
+                        tracking.clip_sums(sums, log_ratio, adv, weights, *clip[:2])
                         sums["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * weights).sum().double()
                 if policy.was_step_applied():
                     grad_norms.append(float(policy.get_global_grad_norm()))  # already global: the same on every rank
@@ -552,6 +573,8 @@ if __name__ == "__main__":
             tracking.step_metrics(g, args, grad_norms, skipped, scheduler, time.time() - step_start, max_length)
         )
         metrics.update(tracking.opening_metrics(entropies, batches, samples))  # the top 20% and first tokens
+        total = max(g["grad_beta1"] + g["grad_beta2"] + g["grad_inside"], 1e-30)  # CE-GPPO: each branch's share
+        metrics.update({f"cegppo/grad_{b}_share": g[f"grad_{b}"] / total for b in ("beta1", "beta2", "inside")})
         if args.cegppo_sft_coef:  # CE-GPPO: the SFT term's NLL per update (its share of the loss: x coef)
             metrics["cegppo/sft_nll"] = g["sft_nll"] / updates_per_step
         tracker.log(metrics, step + 1)

@@ -164,7 +164,8 @@ class Args:
     """dual clip: where A < 0 the loss is at most -A c (verl's clip_ratio_c, its default 3); 0: PPO's clip alone"""
     vllm_is_cap: float = 2.0
     """truncated importance sampling: each token's loss times min(pi_old / pi_vllm, C) against the sampler's numerical
-    disagreement with the trainer (bf16 kernels); on by default in TRL (C = 2 per token; verl: off); 0 disables"""
+    disagreement with the trainer (bf16 kernels); 0 disables. verl: off by default; TRL 1.16: on by default, but as a
+    sequence-level mask at C = 3 (its vllm_importance_sampling_mode "sequence_mask"; its "token_truncate" is this)"""
     kl_coef: float = 0.0
     """coefficient of the k3 KL to the initial policy; 0 (default) does not load a reference model"""
     scale_rewards: bool = True
@@ -321,12 +322,14 @@ def lpreg_select(logp, proxy, advantages, rho: float, min_count: int = 1) -> tor
 
 
 def lpreg_loss(token_loss, logp, old_logp, advantages, proxy, selected, beta: float):
-    """Replaces the selected tokens' loss by -A r (r unclipped; log-ratio clamped to +-20 as in every loss here)
-    + beta k3, k3 = e^x - x - 1 clamped to [-10, 10] (the authors' low_var_kl), x = log pi_proxy - logp; and k3."""
+    """The selected tokens' policy term -A r (r unclipped; log-ratio clamped to +-20 as in every loss here) in place of
+    PPO's, and their penalty beta k3, k3 = e^x - x - 1 clamped to [-10, 10] (the authors' low_var_kl), x = log pi_proxy
+    - logp; the loss is their sum. Apart, so that --vllm-is-cap weights the policy term only (the reference has no
+    such weight; its loss is -A r + beta k3 there). Returns (policy term, penalty, k3)."""
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
     x = torch.where(selected, proxy - logp, 0.0)
     k3 = (torch.exp(x) - x - 1).clamp(-10.0, 10.0)
-    return torch.where(selected, -advantages * ratio + beta * k3, token_loss), k3
+    return torch.where(selected, -advantages * ratio, token_loss), beta * k3 * selected, k3
 
 
 def lpreg_global_selection(current: list, proxies: list, batches: list, mb: range, rho: float) -> list:
@@ -530,11 +533,14 @@ if __name__ == "__main__":
                         selected = mb_selected[i - mb.start]
                     else:  # the reference: this micro-batch on this rank, its current log-probs, their k >= 2 guard
                         selected = lpreg_select(logp, proxies[i], adv, args.lpreg_rho, min_count=2)
-                    token_loss, k3 = lpreg_loss(token_loss, logp, old_logp, adv, proxies[i], selected, args.lpreg_beta)
+                    token_loss, penalty, k3 = lpreg_loss(
+                        token_loss, logp, old_logp, adv, proxies[i], selected, args.lpreg_beta
+                    )
                     sums["lp_selected"] += selected.sum().double()
                     sums["lp_k3"] += (k3.detach() * selected).sum().double()
                     if sampler is not None and args.vllm_is_cap:  # the sampler's tokens, weighted to the trainer's
                         token_loss = token_loss * rollout_weights(old_logp, sampler_logps[i], args.vllm_is_cap)
+                    token_loss = token_loss + penalty  # Lp-Reg: the penalty after the rollout correction, unweighted
                     if select:  # 80/20 rule: the policy-gradient term on the kept tokens only
                         if select == "microbatch":  # TRL 1.16: this micro-batch's current entropies, all ranks
                             selection = entropy_selection({i: entropy.detach()}, args.top_entropy_quantile)
@@ -558,7 +564,7 @@ if __name__ == "__main__":
                         log_ratio = logp - old_logp
                         sums["loss"] += loss.detach().double()
                         sums["clipped"] += (clipped.float() * weights).sum().double()
-                        tracking.clip_sums(sums, log_ratio, adv, weights, args.clip_eps_low, args.clip_eps_high)
+                        tracking.clip_sums(sums, log_ratio, adv, weights, *clip[:2])
                         sums["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * weights).sum().double()
                 if policy.was_step_applied():
                     grad_norms.append(float(policy.get_global_grad_norm()))  # already global: the same on every rank

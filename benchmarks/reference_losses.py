@@ -255,7 +255,8 @@ def check(a) -> int:
         proxy = c["proxy"][mask]  # Lp-Reg, as the script's --lpreg-scope microbatch (the reference's scope and guard)
         loss, clipped = gv.ppo_clip_loss(logp, old, adv, p["low"], p["high"])
         selected = lp.lpreg_select(logp, proxy, adv, p["rho"], min_count=2)
-        return lp.lpreg_loss(loss, logp, old, adv, proxy, selected, 1.0)[0], {"pg_clipfrac": frac(clipped)}, selected
+        policy, penalty, _ = lp.lpreg_loss(loss, logp, old, adv, proxy, selected, 1.0)
+        return policy + penalty, {"pg_clipfrac": frac(clipped)}, selected
 
     data, rows, failures = torch.load(a.path), defaultdict(list), []
     print(f"references: {data['versions']}; files sha256[:16] {data['sources']}")

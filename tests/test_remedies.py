@@ -1,16 +1,11 @@
-"""CISPO, CE-GPPO and Lp-Reg (grpo_cispo.py, grpo_cegppo.py, grpo_lpreg.py): each loss against its reference code on
-the same inputs, every branch (each sign of A, each side of the clip, the dual clip on and off, ratios exactly on a
-bound, ties in the selection), values, gradients and selected tokens; then the real scripts on the CPU testbed.
+"""CISPO, CE-GPPO and Lp-Reg (grpo_cispo.py, grpo_cegppo.py, grpo_lpreg.py) against their papers' equations, written
+here per token (value and gradient with respect to the log-prob, derived by hand), on every branch: each sign of A,
+each side of the clip, the dual clip on and off, ratios exactly on a bound, log-ratios beyond +-20, ties in the
+selection; then the real scripts on the CPU testbed.
 
-The references, transcribed into plain torch (their verl helpers inlined; verl_F.masked_mean is sum(v m) / (sum(m) +
-1e-8)), each named by its file and commit:
-- verl 0.9.1 (PyPI), verl/trainer/ppo/core_algos.py, compute_policy_loss_cispo (unchanged since PR #4508, b19b749);
-- TRL 1.16.0 (PyPI), trl/trainer/grpo_trainer.py, GRPOTrainer._compute_loss, loss_type="cispo" (PR #4495, fix #4499);
-- Kwai-Klear/CE-GPPO at 10558fe, verl/trainer/ppo/core_algos.py, compute_gppo_loss_general_beta;
-- CarlanLark/Lp-Reg-dev at 33b27e2, verl/trainer/ppo/core_algos.py, compute_policy_loss_lp_reg, and
-  verl/workers/actor/dp_actor.py, apply_min_p.
-benchmarks/reference_losses.py runs the references' own code (installed or checked out) on the same inputs (its case
-builders serve both) and compares; its result: benchmarks/results/reference_losses.txt."""
+No reference code is copied here: benchmarks/reference_losses.py runs the references' own code (verl 0.9.1 and TRL
+1.16.0 installed, the CE-GPPO and Lp-Reg authors' functions read from their files at run time) on the same cases (its
+case builders serve both) and compares; its result: benchmarks/results/reference_losses.txt."""
 
 import importlib
 import math
@@ -30,81 +25,75 @@ from benchmarks import reference_losses
 
 
 def micro_batch(seed: int, **shape):
-    """benchmarks/reference_losses.py's cases (the inputs its run of the references' own code saw): right-padded [B, T]
-    current and old log-probs, advantages (both signs and 0, per sequence) and the mask; log-ratios over [-3, 3], some
-    beyond the dual clip c, and in rows 0-3 ratios exactly on both bounds (float32: 1 - 0.2 is 0.800000011920929)."""
-    return micro_batch_of(reference_losses.micro_batch(seed, **shape))
-
-
-def micro_batch_of(case: dict) -> tuple:
-    return case["logp"].requires_grad_(), case["old"], case["adv"], case["mask"], case["lengths"]
-
-
-def masked_mean(values, mask):  # verl_F.masked_mean, and agg_loss's token-mean on one micro-batch
-    return (values * mask).sum() / (mask.sum() + 1e-8)
+    """benchmarks/reference_losses.py's cases: right-padded [B, T] current and old log-probs, advantages (both signs and
+    0, per sequence) and the mask; log-ratios over [-3, 3], one per row beyond the dual clip c, in rows 0-3 ratios
+    exactly on both bounds (float32: 1 - 0.2 is 0.800000011920929); with `far`, log-ratios of +-25 in rows 0, 1, 5, 6
+    (A > 0 and A < 0 each): beyond the +-20 clamp of our ratios."""
+    far = shape.pop("far", False)
+    c = reference_losses.micro_batch(seed, **shape)
+    if far:
+        for row, sign in ((0, 1), (1, 1), (5, -1), (6, -1), (0, -1), (1, -1), (5, 1), (6, 1)):
+            col = 3 if sign > 0 else 4
+            c["logp"][row, col] = c["old"][row, col] + 25.0 * sign
+    return c["logp"].requires_grad_(), c["old"], c["adv"], c["mask"], c["lengths"]
 
 
 def ours(loss_fn, logp, old, adv, mask, lengths):
     """A script's per-token loss on the flat valid tokens (as the scripts hold a micro-batch), token-mean weights:
     (loss, gradient with respect to the [B, T] log-probs, the loss function's other outputs)."""
     out = loss_fn(logp[mask], old[mask], adv[mask])
-    weights = gv.token_weights(lengths, "token-mean", int(mask.sum()), len(lengths), mask.shape[1])
-    loss = (out[0] * weights).sum()
+    loss = (out[0] * token_mean(mask, lengths)).sum()
     (grad,) = torch.autograd.grad(loss, logp)
     return loss, grad, out[1:]
 
 
-def check(reference, mine, logp):
-    (expected_grad,) = torch.autograd.grad(reference, logp)
-    loss, grad, _ = mine
-    assert torch.isclose(loss, reference, rtol=1e-6, atol=1e-7), (loss, reference)
-    assert torch.allclose(grad, expected_grad, rtol=1e-6, atol=1e-8), (grad - expected_grad).abs().max()
+def token_mean(mask, lengths):
+    return gv.token_weights(lengths, "token-mean", int(mask.sum()), len(lengths), mask.shape[1])
 
 
-# ---- CISPO ----
-def verl_cispo(old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high):
-    """verl 0.9.1 compute_policy_loss_cispo, token-mean, one data-parallel rank: (loss, pg_clipfrac)."""
-    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
-    ratio = torch.exp(negative_approx_kl)
-    clipped_ratio = torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
-    pg_losses = -clipped_ratio.detach() * advantages * log_prob
-    pg_clipfrac = masked_mean((ratio != clipped_ratio).float(), response_mask)
-    return (pg_losses * response_mask).sum() / response_mask.sum(), pg_clipfrac
-
-
-def trl_cispo(old_per_token_logps, per_token_logps, advantages, mask, epsilon_high):
-    """TRL 1.16 GRPOTrainer._compute_loss with loss_type="cispo", one process, one generation batch (its normaliser:
-    the batch's token count)."""
-    coef_1 = torch.exp(per_token_logps - old_per_token_logps)
-    clamped_ratios = torch.clamp(coef_1, max=epsilon_high).detach()
-    per_token_loss = -clamped_ratios * advantages * per_token_logps
-    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-@pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("low, high", [(10.0, 0.2), (0.2, 0.28), (1.0, 4.0)])  # verl's example, DAPO's, TRL's cap 5
-def test_cispo_equals_verls_compute_policy_loss_cispo(seed, low, high):
-    logp, old, adv, mask, lengths = micro_batch(seed, bounds=(max(1 - low, 0.5), 1 + high))
-    logp.data[5, 3] = old[5, 3] + 25.0  # a log-ratio beyond verl's +-20 clamp (A > 0)
-    expected, clipfrac = verl_cispo(old, logp, adv, mask, low, high)
-    mine = ours(lambda *t: ci.cispo_loss(*t, low, high), logp, old, adv, mask, lengths)
-    check(expected, mine, logp)
-    clipped = mine[2][0]
-    assert clipped.float().mean().item() == pytest.approx(clipfrac.item(), rel=1e-6)  # verl's pg_clipfrac
-    assert clipped.any() and (high > 1 or (~clipped).any())
-
-
-@pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("cap", [5.0, 1.2, 0.2])  # ScaleRL's 5; 0.2: TRL's default epsilon when epsilon_high is unset
-def test_cispo_absolute_cap_equals_trls_cispo_branch(seed, cap):
-    logp, old, adv, mask, lengths = micro_batch(seed, bounds=(0.5, cap if cap > 1 else 1.2))  # e^x = 0.2f has no x
-    logp.data[5, 3] = old[5, 3] + 25.0  # beyond +-20: TRL does not clamp the log-ratio, the cap binds
-    logp.data[6, 4] = old[6, 4] - 25.0  # a weight of e^-25: no lower bound, no clamp
-    check(
-        trl_cispo(old, logp, adv, mask, cap),
-        ours(lambda *t: ci.cispo_loss(*t, 0.2, 0.2, cap), logp, old, adv, mask, lengths),
-        logp,
+def check(mine, value, grad, mask, lengths):
+    """Our loss and gradient against the per-token `value` and `grad` of the formula ([B, T]), token mean (float64)."""
+    w, value, grad = token_mean(mask, lengths).double(), value.double(), grad.double()
+    loss, our_grad, _ = mine
+    expected_grad = torch.zeros(mask.shape, dtype=torch.float64)
+    expected_grad[mask] = grad[mask] * w
+    expected, scale = (value[mask] * w).sum().item(), (value[mask].abs() * w).sum().item()  # float32 sums: rounding
+    assert abs(loss.item() - expected) <= 2e-6 * scale + 1e-9, (loss.item(), expected)  # of terms that may cancel
+    assert torch.allclose(our_grad.double(), expected_grad, rtol=1e-5, atol=1e-9), (
+        (our_grad - expected_grad).abs().max()
     )
+
+
+def ratio_of(logp, old, clamp=True):
+    """exp of the log-ratio (float32 as the scripts: the bounds' ties are float32 ties), its log clamped to +-20."""
+    x = logp.detach() - old
+    return torch.exp(x.clamp(-20, 20) if clamp else x)
+
+
+# ---- CISPO (MiniMax-M1, section 3.1): J = E[sg(w) A log pi], w the clipped importance ratio ----
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("low, high", [(10.0, 0.2), (0.2, 0.28), (1.0, 4.0)])  # verl's example, DAPO's, [0, 5]
+def test_cispo_is_the_clipped_weight_times_the_policy_gradient(seed, low, high):
+    """Per token: value -w A log pi, gradient -w A, w = clip(r, 1 - low, 1 + high), r with its log clamped to +-20
+    (verl); the clipped mask is where w != r."""
+    logp, old, adv, mask, lengths = micro_batch(seed, bounds=(max(1 - low, 0.5), 1 + high), far=True)
+    r = ratio_of(logp, old)
+    w = r.clamp(1 - low, 1 + high)
+    mine = ours(lambda *t: ci.cispo_loss(*t, low, high), logp, old, adv, mask, lengths)
+    check(mine, -w * adv * logp.detach(), -w * adv, mask, lengths)
+    assert torch.equal(mine[2][0], (w != r)[mask]) and mine[2][0].any()
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("cap", [5.0, 1.2, 0.2])  # ScaleRL's 5; 0.2: TRL's epsilon when epsilon_high is unset
+def test_cispo_absolute_cap_is_trls_convention(seed, cap):
+    """--cispo-max-weight W (TRL 1.16): w = min(r, W), no lower bound and no clamp of the log-ratio (log r = +-25 gives
+    w = W and e^-25)."""
+    logp, old, adv, mask, lengths = micro_batch(seed, bounds=(0.5, cap if cap > 1 else 1.2), far=True)
+    w = ratio_of(logp, old, clamp=False).clamp(max=cap)
+    assert (w[mask] < math.exp(-24)).any()
+    check(ours(lambda *t: ci.cispo_loss(*t, 0.2, 0.2, cap), logp, old, adv, mask, lengths), -w * adv * logp.detach(),
+          -w * adv, mask, lengths)  # fmt: skip
 
 
 def test_cispo_keeps_the_gradient_ppo_clips_and_equals_ppo_on_policy():
@@ -119,56 +108,47 @@ def test_cispo_keeps_the_gradient_ppo_clips_and_equals_ppo_on_policy():
     assert torch.allclose(cispo[1], ppo[1], atol=1e-8)  # r = 1: the same gradient -A grad log pi
 
 
-# ---- CE-GPPO ----
-def authors_gppo(old_log_prob, log_prob, advantages, response_mask, cliprange_low, cliprange_high, clip_ratio_c,
-                 beta1, beta2, dual=True):  # fmt: skip
-    """compute_gppo_loss_general_beta (Kwai-Klear/CE-GPPO 10558fe), token-mean: (loss, pg_clipfrac, pg_clipfrac_lower);
-    dual=False: without its dual-clip lines (c = infinity)."""
-    ratio = torch.exp(log_prob - old_log_prob)
-    ratio_detached = ratio.detach()
-    low_mask = (ratio < (1 - cliprange_low)) & (advantages < 0)
-    high_mask = (ratio > (1 + cliprange_high)) & (advantages > 0)
-    other_mask = ~(low_mask | high_mask)
-    clip_pg_losses1 = torch.zeros_like(advantages)
-    clip_pg_losses1[low_mask] = (
-        -beta1 * (1 - cliprange_low) / ratio_detached[low_mask] * ratio[low_mask] * advantages[low_mask]
-    )
-    clip_pg_losses1[high_mask] = (
-        -beta2 * (1 + cliprange_high) / ratio_detached[high_mask] * ratio[high_mask] * advantages[high_mask]
-    )
-    clip_pg_losses1[other_mask] = -ratio[other_mask] * advantages[other_mask]
-    pg_clipfrac = masked_mean((low_mask | high_mask).float(), response_mask)
-    if not dual:
-        return masked_mean(clip_pg_losses1, response_mask), pg_clipfrac, None
-    pg_losses3 = -advantages * clip_ratio_c
-    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
-    pg_clipfrac_lower = masked_mean(torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float(), response_mask)
-    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
-    return masked_mean(pg_losses, response_mask), pg_clipfrac, pg_clipfrac_lower
+# ---- CE-GPPO (arXiv 2509.20712, Eq. 9-10): PPO's clipped tokens keep a gradient scaled by beta1 / beta2 ----
+def gppo_formula(r, adv, eps: float, c: float, beta1: float, beta2: float):
+    """Per token (value, gradient with respect to log pi): where A < 0 and r < 1 - eps, -beta1 (1 - eps) A both (the
+    ratio enters as r / sg(r)); where A > 0 and r > 1 + eps, -beta2 (1 + eps) A both; elsewhere -r A both; with c > 0,
+    where A < 0 and the value exceeds -c A, the value -c A and no gradient."""
+    low, high = (r < 1 - eps) & (adv < 0), (r > 1 + eps) & (adv > 0)
+    scale = torch.where(low, beta1 * (1 - eps), torch.where(high, beta2 * (1 + eps), r))
+    value = grad = -scale * adv
+    if c:
+        capped = (adv < 0) & (value > -c * adv)
+        value, grad = torch.where(capped, -c * adv, value), torch.where(capped, 0.0, grad)
+    return value, grad
 
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("beta1, beta2", [(0.5, 1.0), (0.75, 1.0), (0.25, 0.6), (1.0, 1.0), (0.0, 0.0)])
 @pytest.mark.parametrize("c", [10.0, 3.0, 0.0])
-def test_cegppo_equals_the_authors_compute_gppo_loss_general_beta(seed, beta1, beta2, c):
-    logp, old, adv, mask, lengths = micro_batch(seed, dual=c or 10.0)
-    expected, clipfrac, lower = authors_gppo(old, logp, adv, mask, 0.2, 0.2, c, beta1, beta2, dual=bool(c))
+def test_cegppo_follows_the_papers_branches(seed, beta1, beta2, c):
+    """Every branch, ratios exactly on the bounds (strict inequalities: a tie is -r A), log-ratios of +-25: the bounded
+    branches keep their gradient at any ratio (theirs too: r / sg(r)); -r A uses our ratio, clamped at e^+-20 (the
+    reference's is not: the values differ there by |A| (e^25 - e^20) where A < 0 without the dual clip, and by less
+    than 2e-9 |A| for r < e^-20)."""
+    logp, old, adv, mask, lengths = micro_batch(seed, dual=c or 10.0, far=True)
+    value, grad = gppo_formula(ratio_of(logp, old), adv, 0.2, c, beta1, beta2)
+    grad = torch.where(((logp.detach() - old).abs() > 20) & (grad.abs() == ratio_of(logp, old) * adv.abs()), 0.0, grad)
     mine = ours(lambda *t: ce.gppo_loss(*t, 0.2, 0.2, c, beta1, beta2), logp, old, adv, mask, lengths)
-    check(expected, mine, logp)
-    dual_clipped = mine[2][0]
-    if c:
-        assert dual_clipped.float().mean().item() == pytest.approx(lower.item(), rel=1e-6) and dual_clipped.any()
+    check(mine, value, grad, mask, lengths)
+    r, a = ratio_of(logp, old)[mask], adv[mask]
+    dual = mine[2][0]
+    if c:  # the dual clip holds where A < 0 and -r A (or the bounded value) exceeds -c A
+        assert torch.equal(dual, (a < 0) & (torch.where(r < 0.8, beta1 * 0.8, r) > c)) and dual.any()
     else:
-        assert not dual_clipped.any()
-    # the authors' pg_clipfrac: the tokens in a bounded branch, what the shared clip_frac_low_neg + high_pos count
-    r, a = torch.exp(logp - old)[mask], adv[mask]
+        assert not dual.any()
+    far = (logp.detach() - old).abs()[mask] > 20
     bounded = ((r < 0.8) & (a < 0)) | ((r > 1.2) & (a > 0))
-    assert bounded.float().mean().item() == pytest.approx(clipfrac.item(), rel=1e-6)
+    assert (far & bounded).any() and (mine[1][mask][far & bounded] != 0).all() == bool(beta1 and beta2)
 
 
 def test_cegppo_gradients_on_each_branch_and_on_the_bounds():
     """d loss / d logp per token (A = +-1): beta1 (1 - eps) |A| below the range for A < 0, beta2 (1 + eps) above it
-    for A > 0, r |A| elsewhere and on the bounds themselves (strict inequalities, as theirs), 0 beyond c for A < 0."""
+    for A > 0, r |A| elsewhere and on the bounds themselves (strict inequalities), 0 beyond c for A < 0."""
     ratios = [0.5, 0.8, 1.0, 1.2, 1.5, 12.0]
     logp = torch.tensor([reference_losses.exact_log(r) for r in ratios] * 2, requires_grad=True)
     adv = torch.tensor([-1.0] * 6 + [1.0] * 6)
@@ -178,86 +158,97 @@ def test_cegppo_gradients_on_each_branch_and_on_the_bounds():
     assert torch.allclose(grad, torch.tensor(expected), atol=1e-6), grad
 
 
+@pytest.mark.parametrize("c", [10.0, 0.0])
+def test_cegppo_branch_gradients_split_the_gradient(c):
+    """The cegppo/grad_*_share metrics: branch_gradients' three parts add up to |d loss / d logp| of every token, and
+    each is non-zero only on its own branch."""
+    logp, old, adv, mask, _ = micro_batch(1, dual=c or 10.0)
+    flat, o, a = logp[mask], old[mask], adv[mask]
+    loss, _ = ce.gppo_loss(flat, o, a, 0.2, 0.2, c, 0.5, 1.0)
+    (grad,) = torch.autograd.grad(loss.sum(), flat)
+    parts = ce.branch_gradients(flat.detach() - o, a, 0.2, 0.2, c, 0.5, 1.0)
+    assert torch.allclose(sum(parts.values()), grad.abs(), rtol=1e-6, atol=1e-7)
+    r = torch.exp(flat.detach() - o)
+    assert ((parts["beta1"] > 0) == ((r < 0.8) & (a < 0))).all() and (
+        (parts["beta2"] > 0) == ((r > 1.2) & (a > 0))
+    ).all()
+
+
 def test_cegppo_correct_tokens_mark_every_token_of_the_correct_responses():
     graded = [(1.0, "correct"), (0.0, "wrong"), (1.0, "correct"), (0.5, "shaped")]
     mask = ce.correct_tokens([2, 1, 3, 0], graded, torch.tensor([2, 3, 1, 2]))
     assert mask.tolist() == [1, 1, 0, 0, 0, 0, 1, 1]
 
 
-# ---- Lp-Reg ----
-def authors_min_p_logprobs(logits, labels, min_p, temperature):
-    """apply_min_p (Lp-Reg-dev 33b27e2, dp_actor.py; regular_type "minp", hard) then the temperature and the log-prob
-    of each label: the proxy's log-prob of the sampled token."""
-    logits = logits.clone()
-    probability_values = torch.nn.functional.softmax(logits, dim=-1)
-    max_probabilities = torch.amax(probability_values, dim=-1, keepdim=True)
-    invalid_mask = ~(probability_values >= min_p * max_probabilities)
-    logits[invalid_mask] = -1e4
-    logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, labels[:, None]).squeeze(-1)
-
-
-def authors_lp_reg(old_log_prob, log_prob, tgt_log_prob, advantages, response_mask, cliprange_low, cliprange_high,
-                   logp_neg_k_percent, ppo_kl_coef):  # fmt: skip
-    """compute_policy_loss_lp_reg (Lp-Reg-dev 33b27e2), kl_type low_var_kl, logp_pos_k_percent 0, token-mean:
-    (loss, the regularised tokens)."""
-    negative_approx_kl = log_prob - old_log_prob
-    ratio = torch.exp(negative_approx_kl)
-    pg_losses1 = -advantages * ratio
-    pg_losses2 = -advantages * ratio.clamp(1 - cliprange_low, 1 + cliprange_high)
-    pg_losses = torch.maximum(pg_losses1, pg_losses2)
-    seq_len = log_prob.shape[1]
-    all_valid_flat_idx = (response_mask > 0).reshape(-1).nonzero(as_tuple=True)[0]
-    advantages_flat, log_prob_flat = advantages.reshape(-1), log_prob.reshape(-1)
-    neg_indices = all_valid_flat_idx[advantages_flat[all_valid_flat_idx] < 0]
-    regularised = torch.zeros_like(response_mask, dtype=torch.bool)
-    if len(neg_indices) > 0:
-        neg_logp_k = max(1, int(len(neg_indices) * logp_neg_k_percent))
-        if neg_logp_k > 1:
-            with torch.no_grad():
-                _, neg_logp_indices = log_prob_flat[neg_indices].topk(k=neg_logp_k, largest=False)
-                target_flat_idx = neg_indices[neg_logp_indices]
-            batch_idx, seq_idx = target_flat_idx // seq_len, target_flat_idx % seq_len
-            keep = log_prob[batch_idx, seq_idx].detach() < tgt_log_prob[batch_idx, seq_idx]
-            batch_idx, seq_idx = batch_idx[keep], seq_idx[keep]
-            if len(batch_idx):
-                kl = tgt_log_prob[batch_idx, seq_idx] - log_prob[batch_idx, seq_idx]
-                target_kl = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
-                pg_losses = pg_losses.clone()
-                pg_losses[batch_idx, seq_idx] = (
-                    -advantages[batch_idx, seq_idx] * ratio[batch_idx, seq_idx] + ppo_kl_coef * target_kl
-                )
-                regularised[batch_idx, seq_idx] = True
-    return masked_mean(pg_losses, response_mask), regularised
-
-
+# ---- Lp-Reg (arXiv 2510.03222): a k3 penalty toward a min-p proxy on the rarest tokens with A < 0 ----
 def lpreg_inputs(seed: int, ties: bool = False):
     """reference_losses.py's Lp-Reg cases: near on-policy log-probs (ties: bf16-like, rounded to 1/4), a proxy
-    log pi_old + log(1 / kept mass), 10% of the sampled tokens outside the min-p set (-inf in ours; their -1e4 floor),
-    five tokens with A < 0 far below the proxy (k3 clamped at 10)."""
+    log pi_old + log(1 / kept mass), 10% of the sampled tokens outside the min-p set (-inf), five tokens with A < 0
+    far below the proxy (k3 clamped at 10)."""
     c = reference_losses.lpreg_inputs(seed, ties)
-    return (*micro_batch_of(c), c["proxy"], c["proxy_theirs"])
+    return c["logp"].requires_grad_(), c["old"], c["adv"], c["mask"], c["lengths"], c["proxy"]
+
+
+def lowest_negative(logp, adv, k: int):
+    """The k tokens with A < 0 of lowest log-prob, as a set (ties at the k-th value: any of them may be taken)."""
+    negative = adv < 0
+    kth = logp[negative].sort().values[k - 1]
+    return negative & (logp < kth), negative & (logp == kth)
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("rho", [0.01, 0.05, 0.3, 1.0])  # 0.01: k = 1 < 2, their guard: nothing regularised
+@pytest.mark.parametrize("rho", [0.01, 0.05, 0.3, 1.0])  # 0.01: k = 1 < 2, the reference's guard: nothing selected
 @pytest.mark.parametrize("ties", [False, True])
-def test_lpreg_microbatch_scope_equals_the_authors_compute_policy_loss_lp_reg(seed, rho, ties):
-    logp, old, adv, mask, lengths, proxy, proxy_theirs = lpreg_inputs(seed, ties)
-    expected, regularised = authors_lp_reg(old, logp, proxy_theirs, adv, mask, 1.0, 9.0, rho, 1.0)
+def test_lpreg_microbatch_scope_follows_the_paper(seed, rho, ties):
+    """Selection: of the n tokens with A < 0, the k = max(1, floor(rho n)) of lowest log-prob (none if k < 2, the
+    reference's guard), then those with log pi < log pi_proxy. Their loss: -A r (no clip) + beta min(k3, 10), k3 =
+    e^x - x - 1, x = log pi_proxy - log pi, gradient -A r + beta (1 - e^x) (0 where the clamp holds); elsewhere PPO's
+    clip at 1 / 9 (the authors' scripts)."""
+    logp, old, adv, mask, lengths, proxy = lpreg_inputs(seed, ties)
+    flat, a, p = logp.detach()[mask], adv[mask], proxy[mask]
+    n = int((a < 0).sum())
+    k = max(1, int(rho * n))
+    selected = lp.lpreg_select(flat, p, a, rho, min_count=2)
+    if k < 2:
+        assert not selected.any()
+    else:
+        surely, maybe = lowest_negative(flat, a, k)
+        candidates = lp.lpreg_select(flat, torch.full_like(p, math.inf), a, rho, min_count=2)  # before the proxy
+        assert int(candidates.sum()) == k and (candidates >= surely).all() and (candidates <= surely | maybe).all()
+        assert torch.equal(selected, candidates & (flat < p)) and (rho < 0.3 or selected.any())
+    r, x = ratio_of(logp, old), proxy - logp.detach()
+    k3 = torch.exp(x) - x - 1
+    ppo_value = torch.maximum(-adv * r, -adv * r.clamp(0.0, 10.0))
+    ppo_grad = torch.where(-adv * r >= -adv * r.clamp(0.0, 10.0), -adv * r, 0.0)
+    chosen = torch.zeros_like(mask)
+    chosen[mask] = selected
+    value = torch.where(chosen, -adv * r + k3.clamp(max=10.0), ppo_value)
+    grad = torch.where(chosen, -adv * r + torch.where(k3 < 10.0, 1 - torch.exp(x), 0.0), ppo_grad)
 
-    def lpreg(logp_, old_, adv_):  # as the script's microbatch branch
+    def lpreg(logp_, old_, adv_):  # as the script's microbatch branch, the penalty added (no rollout weight here)
         loss, clipped = gv.ppo_clip_loss(logp_, old_, adv_, 1.0, 9.0)
-        selected = lp.lpreg_select(logp_, proxy[mask], adv_, rho, min_count=2)
-        return *lp.lpreg_loss(loss, logp_, old_, adv_, proxy[mask], selected, 1.0), selected
+        sel = lp.lpreg_select(logp_, p, adv_, rho, min_count=2)
+        policy, penalty, _ = lp.lpreg_loss(loss, logp_, old_, adv_, p, sel, 1.0)
+        return policy + penalty, sel
 
-    mine = ours(lpreg, logp, old, adv, mask, lengths)
-    check(expected, mine, logp)
-    assert torch.equal(mine[2][1], regularised[mask])  # the same tokens
-    if int(rho * (adv[mask] < 0).sum()) < 2:  # their guard
-        assert not regularised.any()
-    elif rho >= 0.3:
-        assert regularised.any()
+    check(ours(lpreg, logp, old, adv, mask, lengths), value, grad, mask, lengths)
+
+
+def test_lpreg_penalty_is_apart_from_the_policy_term():
+    """lpreg_loss returns the policy term (-A r on the selected tokens, PPO's elsewhere) and beta k3 on the selected
+    tokens apart: the script weights the first by --vllm-is-cap's rollout weights and adds the second unweighted."""
+    logp = torch.tensor([-5.0, -1.0, -6.0, -0.5])
+    old = logp + torch.tensor([0.1, -0.1, 0.0, 0.3])
+    adv = torch.tensor([-1.0, -1.0, 1.0, -2.0])
+    proxy = torch.tensor([-3.0, -0.5, -1.0, -0.1])
+    selected = torch.tensor([True, False, False, True])
+    ppo, _ = gv.ppo_clip_loss(logp, old, adv, 0.2, 0.2)
+    policy, penalty, k3 = lp.lpreg_loss(ppo, logp, old, adv, proxy, selected, 0.5)
+    r = torch.exp(logp - old)
+    assert torch.allclose(policy, torch.where(selected, -adv * r, ppo))
+    x = proxy - logp
+    assert torch.allclose(penalty, 0.5 * (torch.exp(x) - x - 1) * selected) and penalty[~selected].eq(0).all()
+    assert k3[0] == pytest.approx(math.exp(2.0) - 3.0)
 
 
 def test_lpreg_global_selection_takes_k_from_one_token_on():
@@ -271,20 +262,25 @@ def test_lpreg_global_selection_takes_k_from_one_token_on():
 
 
 @pytest.mark.parametrize("kappa, temperature", [(0.02, 1.0), (0.1, 0.7), (0.5, 1.3)])
-def test_proxy_logprobs_equal_the_authors_min_p_log_probs(kappa, temperature):
+def test_proxy_logprobs_are_the_min_p_policy(kappa, temperature):
+    """pi_proxy (the paper's Eq. 4, min-p on the untempered softmax as the authors' code): the tokens with p >= kappa
+    max p keep their tempered probabilities, renormalised; a target outside the set gets -inf. In float64, per row."""
     g = torch.Generator().manual_seed(0)
     logits = 3 * torch.randn(64, 50, generator=g)
     labels = torch.randint(0, 50, (64,), generator=g)
     labels[:8] = logits[:8].argmax(-1)  # surely kept
-    theirs = authors_min_p_logprobs(logits, labels, kappa, temperature)
     mine = lp.proxy_logprobs(logits, labels, kappa, temperature)
-    kept = theirs > -1000
+    expected = []
+    for row, label in zip(logits.double(), labels.tolist()):
+        p = torch.softmax(row, -1)
+        kept = p >= kappa * p.max()
+        tempered = torch.exp((row - row.max()) / temperature) * kept
+        expected.append(math.log(tempered[label] / tempered.sum()) if kept[label] else -math.inf)
+    expected = torch.tensor(expected, dtype=torch.float64)
+    kept = torch.isfinite(expected)
     assert kept[:8].all() and (~kept).any()
-    assert torch.allclose(mine[kept], theirs[kept], atol=1e-5)
-    assert torch.isinf(mine[~kept]).all()  # theirs: about -1e4 / T; never below the current log-prob either way
-    assert (
-        mine[kept] >= torch.log_softmax(logits / temperature, -1).gather(-1, labels[:, None]).squeeze(-1)[kept]
-    ).all()
+    assert torch.equal(torch.isinf(mine), ~kept)
+    assert torch.allclose(mine[kept].double(), expected[kept], atol=1e-5)
 
 
 # ---- the real scripts: on-policy, CISPO and CE-GPPO make vanilla's update; Lp-Reg's -A r too at beta 0 ----
