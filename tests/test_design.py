@@ -152,6 +152,43 @@ def test_no_file_points_outside_the_repository():
     assert not hits, hits
 
 
+# the local names inside the references' own loss functions (verl, TRL, the CE-GPPO, Lp-Reg and Cov authors' code):
+# code of ours has no reason to use them, a transcription keeps them. benchmarks/reference_losses.py runs those
+# functions from their files at run time and needs none of these names.
+REFERENCE_LOCALS = (
+    "clip_pg_losses1 clip_pg_losses2 ratio_detached pg_losses3 pg_clipfrac_lower_mask neg_logp_k all_valid_flat_idx "
+    "neg_indices neg_logp_indices target_flat_idx target_kl probability_values max_probabilities invalid_mask "
+    "negative_approx_kl clipped_ratio coef_1 clamped_ratios per_token_loss masked_entropies entropy_threshold "
+    "cov_lst_all k_percent_nums large_cov_idxs clip_by_corr all_valid_adv all_valid_logp all_valid_idx"
+).split()
+REFERENCE_FUNCTIONS = (
+    "compute_policy_loss_cispo compute_gppo_loss_general_beta compute_policy_loss_lp_reg apply_min_p "
+    "get_high_entropy_mask compute_policy_loss_kl_cov compute_policy_loss_clip_cov _compute_loss"
+).split()
+
+
+def test_no_reference_code_is_committed():
+    """Only code written here: no tracked file (this one aside) uses the references' local names, and none defines a
+    function of theirs; tests state the formulas in their own words (tests/test_remedies.py)."""
+    import re
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    local = re.compile(r"\b(" + "|".join(REFERENCE_LOCALS) + r")\b")
+    defined = re.compile(r"^\s*def (" + "|".join(REFERENCE_FUNCTIONS) + r")\(", re.M)
+    hits = []
+    for name in files:
+        if name == "tests/test_design.py":
+            continue
+        try:
+            with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+                text = f.read()
+        except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
+            continue  # binary files (plots, weights)
+        hits += [f"{name}: {m.group(1)}" for m in [*local.finditer(text), *defined.finditer(text)]]
+    assert not hits, hits
+
+
 def imports(path: str, modules: set) -> set:
     """The repository modules a file imports anywhere in it (function-level imports too), from its `ast`."""
     package = os.path.dirname(path).replace(os.sep, ".")

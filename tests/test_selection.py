@@ -47,24 +47,14 @@ def test_quantile_beyond_torch_quantiles_limit():
     assert ops.quantile(x, 0.8).item() == pytest.approx(expected, abs=1e-6)
 
 
-def trl_high_entropy_mask(entropies, mask, threshold):
-    """TRL 1.16 GRPOTrainer.get_high_entropy_mask as published, with torch.distributed in place of accelerate: the
-    valid tokens' entropies padded with -1e9 to the longest rank, gathered, the padding dropped, torch.quantile."""
-    local = entropies[mask.bool()].float()
-    size = torch.tensor([local.numel()])
-    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, size)
-    width = int(max(sizes))
-    padded = torch.cat([local, torch.full((width - local.numel(),), -1e9)])
-    parts = [torch.empty(width) for _ in sizes]
-    dist.all_gather(parts, padded)
-    gathered = torch.cat(parts)
-    gathered = gathered[gathered != -1e9]
-    if gathered.numel() == 0:
-        return torch.zeros_like(entropies, dtype=torch.bool)
-    entropy_threshold = torch.quantile(gathered, threshold)
-    masked_entropies = entropies * mask.float()
-    return (masked_entropies >= entropy_threshold) & mask.bool()
+def trl_high_entropy_mask(entropies, mask, q):
+    """TRL 1.16's rule for top_entropy_quantile (GRPOTrainer.get_high_entropy_mask), stated in our words: every rank's
+    response-token entropies are pooled, the threshold is their q-quantile with linear interpolation (torch.quantile),
+    and a response token is kept where its entropy is at or above it."""
+    pooled = [None] * dist.get_world_size()
+    dist.all_gather_object(pooled, entropies[mask].float().tolist())
+    everything = torch.tensor([e for part in pooled for e in part])
+    return mask & (entropies >= torch.quantile(everything, q)) if everything.numel() else torch.zeros_like(mask)
 
 
 def _selection_worker(rank, world_size, port, results):
