@@ -310,6 +310,18 @@ def test_on_policy_updates_equal_vanillas(testbed, tmp_path):
     assert all(r["lpreg/selected_frac"] > 0 and r["lpreg/outside_minp_frac"] >= 0 for r in rows["grpo_lpreg.py"])
 
 
+def test_cispo_cap_clip_metrics_count_against_the_cap(testbed, tmp_path):
+    """--cispo-max-weight W: the losses/clip_frac_* metrics count the ratios outside [0, W] (not against the unused
+    --clip-eps-low/high, against which none would be); losses/clip_frac, the loss's own mask, counts them with those of
+    A = 0 too. A cap just above 1 and a second mini-batch, so that some are capped."""
+    flags = {**ON_POLICY, "total-steps": 1, "num-mini-batches": 2, "cispo-max-weight": 1.0001, "no-use-vllm": True}
+    run_script("grpo_cispo.py", script_flags(testbed, **flags), tmp_path)
+    (row,) = read_metrics(run_dir(tmp_path))
+    high = row["losses/clip_frac_high_pos"] + row["losses/clip_frac_high_neg"]
+    assert high > 0 and row["losses/clip_frac_low_pos"] == row["losses/clip_frac_low_neg"] == 0
+    assert high <= row["losses/clip_frac"] + 1e-12  # the capped tokens with A != 0 (those with A = 0: no sign)
+
+
 # ---- the authors' recipes (benchmarks/reproduce/, docs/fidelity.md) ----
 def recipe_args(script: str, **settings) -> dict:
     """exp name -> the parsed Args of every training command a reproduction script prints (DRY_RUN)."""
