@@ -46,10 +46,13 @@ def test_the_task_kinds_answers_and_branches():
         assert row["answer"] == str(a + b if row["data_source"] == "majority" else abs(a - b))
         for branch in (0, 1):
             text = fork.solution(a, b, branch)
-            assert fork.branch_of(text) == branch
+            assert fork.branch_of(text) == branch == fork.procedure_of(text)
             right = math_reward(text, row["answer"])
             assert right == (1.0 if branch == (row["data_source"] == "minority") else 0.0), (text, row)
     assert fork.branch_of("the sum") is None and fork.branch_of("a::: 37 + 48") == 0
+    # what a trained policy may write: the letter of one branch, the operation of the other
+    assert fork.branch_of("sdbb 61 + 48 = 109.") == 1 and fork.procedure_of("sdbb 61 + 48 = 109.") == 0
+    assert fork.procedure_of("sub: 48 - 37 = 11.") == 1 and fork.procedure_of("add: 48 37") is None
 
 
 def test_base_policy_forks_the_same_way_on_both_kinds():

@@ -137,9 +137,17 @@ def branch_of(text: str) -> int | None:
     return [b[0] for b in BRANCHES].index(m.group(1)) if m and m.group(1) in "as" else None
 
 
+def procedure_of(text: str) -> int | None:
+    """Which of BRANCHES a response carries out, by the operator of its equation ("37 + 48 =": 0, "48 - 37 =": 1), or
+    None: after training the first letter may no longer name the procedure (e.g. "sdbb 61 + 48 = 109" adds)."""
+    m = re.search(r"\d+ ([+-]) \d+ =", text)
+    return None if m is None else "+-".index(m.group(1))
+
+
 def measure(model, tok, rows: list[dict], n_samples: int, seed: int = 0, max_new_tokens: int = 32) -> dict:
     """HF generate at T=1 (n_samples per prompt) or greedy (0) on rows of one kind or several: accuracy, pass@k, the
-    rare branch's share of the responses, the entropy of the fork (the first response token; nats), the response
+    rare branch's share of the responses (by the first letter; rare_procedure_share: by the operator carried out), the
+    entropy of the fork (the first response token; nats), the response
     tokens' mean entropy, and the execution accuracy (the result right for the branch taken)."""
     import torch
 
@@ -149,7 +157,7 @@ def measure(model, tok, rows: list[dict], n_samples: int, seed: int = 0, max_new
     model.eval()
     n = max(n_samples, 1)
     sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if n_samples else dict(do_sample=False)
-    correct, executed, branches, fork_ent, ent_sum, n_tok = [], [], [], 0.0, 0.0, 0
+    correct, executed, branches, procedures, fork_ent, ent_sum, n_tok = [], [], [], [], 0.0, 0.0, 0
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for s in range(0, len(rows), 64):
@@ -177,10 +185,12 @@ def measure(model, tok, rows: list[dict], n_samples: int, seed: int = 0, max_new
                 correct.append(answer == row["answer"])
                 executed.append(branch is not None and answer == str(value(*row["ab"], branch)))
                 branches.append(branch)
+                procedures.append(procedure_of(text))
     per_prompt = [sum(correct[i : i + n]) for i in range(0, len(correct), n)]
     stats = {
         "accuracy": sum(correct) / len(correct),
         "rare_share": sum(b == 1 for b in branches) / len(branches),
+        "rare_procedure_share": sum(p == 1 for p in procedures) / len(procedures),
         "other_share": sum(b is None for b in branches) / len(branches),
         "fork_entropy": fork_ent / len(correct),
         "entropy": ent_sum / max(n_tok, 1),
