@@ -342,7 +342,8 @@ def test_the_cegppo_recipe_runs_the_authors_settings(size, beta1):
         assert args.num_prompts_per_step == 128 and args.group_size == 8 and args.num_mini_batches == 8
         assert args.learning_rate == 1e-6 and args.warmup_steps == 10 and args.weight_decay == 0.1
         assert (args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c) == (0.2, 0.2, 10)
-        assert args.filter_groups and args.max_gen_batches == 1 and args.max_response_length == 16384
+        assert args.filter_groups and args.max_gen_batches == 2 and args.max_response_length == 16384
+        assert args.loss_agg == "seq-mean-token-mean"  # their per-micro-batch mean at their layout
         assert args.kl_coef == 0 and args.model_name_or_path.endswith(f"Distill-Qwen-{size.upper()[:-1]}B")
     assert (runs["grpo_cegppo"].cegppo_beta1, runs["grpo_cegppo"].cegppo_beta2) == (beta1, 1.0)
     assert runs["grpo_cegppo"].cegppo_sft_coef == 0.1 and runs["grpo_cegppo_nosft"].cegppo_sft_coef == 0

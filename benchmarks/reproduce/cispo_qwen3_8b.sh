@@ -21,7 +21,9 @@ run() {  # run a command, or only print it with DRY_RUN=1
   if [ -n "${DRY_RUN:-}" ]; then printf '%q ' "$@"; echo; else "$@"; fi
 }
 
-# shared, as their script and verl's defaults: mini-batches of 256 prompts (4 updates, 1 epoch), token-mean, lr 1e-6
+# shared, as their script and verl's defaults: mini-batches of 256 prompts (4 updates, 1 epoch), token-mean (verl
+# 0.9.1: over the mini-batch of all ranks, as ours; TRL 1.16 divides each update by the generation batch's token count
+# / 4, so each of its 4 updates is ours x 4 N_update / N_generation: 0.48-1.45 measured, 1 on average), lr 1e-6
 # constant, AdamW weight decay 0.01, grad clip 1, T 1, k3 KL 0.001 (their low_var_kl: k3 clamped to +-10), no entropy
 # bonus, no dynamic sampling; greedy evaluation on MATH-500 and GSM8K (theirs: their test splits) every 5 steps
 COMMON=(

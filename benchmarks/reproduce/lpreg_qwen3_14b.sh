@@ -31,7 +31,8 @@ run() {  # run a command, or only print it with DRY_RUN=1
 
 [ -e "$DATASET" ] || [ -n "${DRY_RUN:-}" ] || python benchmarks/reproduce/dapo_boxed.py --output "$DATASET"
 
-# shared, as their script: no dynamic sampling, no overlong shaping, no KL, no entropy bonus, token-mean, lr 1e-6
+# shared, as their script: no dynamic sampling, no overlong shaping, no KL, no entropy bonus, token-mean (theirs: per
+# micro-batch of a 30,720-token budget, times its share: neither a token nor a sequence mean; no flag of ours), lr 1e-6
 # constant, weight decay 0, grad clip 1, T 1; PPO clip 1 / 9 (ratio in [0, 10]), no dual clip (their clip_ratio_c 10
 # is never passed to the loss); greedy evaluation every 8 steps (theirs: AMC/AIME sampled at T 0.6, the rest greedy);
 # ZeRO-3 and one sequence per micro-batch are for memory only
