@@ -297,17 +297,16 @@ def clip_cov_global_selection(current: list, old_logps: list, batches: list, mb:
     """--cov-scope global: covariances against the means of the whole optimizer mini-batch of all ranks, and one draw
     among the eligible tokens of all of them; given the current log-probs of this rank's micro-batches
     `batches[i] for i in mb` (one flat tensor each), their (covariances, selection masks)."""
-    sizes = [len(x) for x in current]
-    current, old = torch.cat(current), torch.cat([old_logps[i] for i in mb])
-    advantages = torch.cat([batches[i]["advantages"] for i in mb])
-    eligible = ~ppo_clip_loss(current, old, advantages, args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c)[1]
-    order = batching.in_sample_order(batches, mb).to(current.device)
-    gathered, offset = distributed.gather_ranks(torch.stack([current, advantages, eligible.float()], dim=1)[order])
-    cov = token_covariance(gathered[:, 0], gathered[:, 1])
+    advantages = [batches[i]["advantages"] for i in mb]
+    clip = (args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c)
+    eligible = [(~ppo_clip_loss(x, old_logps[i], a, *clip)[1]).float() for x, i, a in zip(current, mb, advantages)]
     bounds = (args.clip_cov_ratio, args.clip_cov_lb, args.clip_cov_ub)
-    selected = clip_cov_select(cov, gathered[:, 2].bool(), *bounds, generator)
-    unsort, mine = order.argsort(), slice(offset, offset + len(current))
-    return cov[mine][unsort].split(sizes), selected[mine][unsort].split(sizes)
+
+    def select(gathered):
+        cov = token_covariance(gathered[:, 0], gathered[:, 1])
+        return cov, clip_cov_select(cov, gathered[:, 2].bool(), *bounds, generator)
+
+    return batching.over_mini_batch([current, advantages, eligible], batches, mb, select)
 
 
 def selection_generator(args, step: int, epoch: int, m: int, rank: int) -> torch.Generator:

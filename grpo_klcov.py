@@ -301,14 +301,12 @@ def kl_cov_global_selection(current: list, batches: list, mb: range, ratio: floa
     """--cov-scope global: covariances against the means of the whole optimizer mini-batch of all ranks, and the top
     k of all of them selected; given the current log-probs of this rank's micro-batches `batches[i] for i in mb` (one
     flat tensor each), their (covariances, selection masks)."""
-    advantages = [batches[i]["advantages"] for i in mb]
-    order = batching.in_sample_order(batches, mb).to(current[0].device)
-    local = torch.stack([torch.cat(current), torch.cat(advantages)], dim=1)[order]
-    gathered, offset = distributed.gather_ranks(local)
-    cov = token_covariance(gathered[:, 0], gathered[:, 1])
-    selected = kl_cov_select(cov, ratio)
-    sizes, unsort, mine = [len(x) for x in current], order.argsort(), slice(offset, offset + len(local))
-    return cov[mine][unsort].split(sizes), selected[mine][unsort].split(sizes)
+
+    def select(gathered):
+        cov = token_covariance(gathered[:, 0], gathered[:, 1])
+        return cov, kl_cov_select(cov, ratio)
+
+    return batching.over_mini_batch([current, [batches[i]["advantages"] for i in mb]], batches, mb, select)
 
 
 def kl_cov_metrics(g: dict, num_epochs: int, selection_time: float) -> dict:

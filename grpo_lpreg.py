@@ -335,13 +335,8 @@ def lpreg_loss(token_loss, logp, old_logp, advantages, proxy, selected, beta: fl
 def lpreg_global_selection(current: list, proxies: list, batches: list, mb: range, rho: float) -> list:
     """--lpreg-scope global: the selection over the optimizer mini-batch of all ranks, given the current log-probs of
     this rank's micro-batches `batches[i] for i in mb` (one flat tensor each); their masks."""
-    sizes = [len(x) for x in current]
-    current, proxy = torch.cat(current), torch.cat([proxies[i] for i in mb])
-    advantages = torch.cat([batches[i]["advantages"] for i in mb])
-    order = batching.in_sample_order(batches, mb).to(current.device)
-    gathered, offset = distributed.gather_ranks(torch.stack([current, proxy, advantages], dim=1)[order])
-    selected = lpreg_select(gathered[:, 0], gathered[:, 1], gathered[:, 2], rho)
-    return selected[offset : offset + len(current)][order.argsort()].split(sizes)
+    columns = [current, [proxies[i] for i in mb], [batches[i]["advantages"] for i in mb]]
+    return batching.over_mini_batch(columns, batches, mb, lambda g: [lpreg_select(g[:, 0], g[:, 1], g[:, 2], rho)])[0]
 
 
 class Sample(NamedTuple):

@@ -4,6 +4,8 @@ into padded or packed rows."""
 import torch
 import torch.distributed as dist
 
+from . import distributed
+
 
 def micro_batches(sizes: list, args, device):
     """This rank's micro-batches, as lists of sample indices (`sizes`: each sample's prompt + response tokens), and
@@ -69,3 +71,17 @@ def in_sample_order(batches: list, mb: range) -> torch.Tensor:
     grouped (the Cov methods' global scope)."""
     samples = [torch.tensor(batches[i]["index"], dtype=torch.long).repeat_interleave(batches[i]["lengths"]) for i in mb]
     return torch.cat(samples).argsort(stable=True)
+
+
+def over_mini_batch(columns: list, batches: list, mb: range, select) -> list:
+    """A selection over the optimizer mini-batch of all ranks, the same whatever the micro-batches, packing and world
+    size (the global scope of KL-Cov, Clip-Cov and Lp-Reg): `columns`, each a per-token quantity as this rank's flat
+    tensors of micro-batches `batches[i] for i in mb`, are put in sample order and gathered over ranks; `select` maps
+    the gathered [tokens, len(columns)] to per-token tensors, and each comes back as this rank's part, one tensor per
+    micro-batch in its own order."""
+    sizes = [len(x) for x in columns[0]]
+    local = torch.stack([torch.cat(column) for column in columns], dim=1)
+    order = in_sample_order(batches, mb).to(local.device)
+    gathered, offset = distributed.gather_ranks(local[order])
+    unsort, mine = order.argsort(), slice(offset, offset + len(local))
+    return [out[mine][unsort].split(sizes) for out in select(gathered)]
