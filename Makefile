@@ -2,11 +2,10 @@
 # Both create .venv from requirements-cpu.txt first (pip only: it finds the local CPU torch build).
 PY := .venv/bin/python
 SCRIPT ?= grpo_vanilla.py
-# one rank per core: 200 steps in ~3.5 minutes on 2 cores (benchmarks/results/testbed/README.md)
+# one rank per core: 200 steps in 3.3-4.4 minutes on 2 cores (benchmarks/results/testbed/README.md)
 NPROC ?= 2
 ARGS ?=
-CPU_ENV := DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_LOGGING_LEVEL=WARNING WANDB_MODE=offline \
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false TORCHDYNAMO_DISABLE=1
+CPU_ENV := $(shell sed -e '/^[[:space:]]*$$/d' -e '/^\#/d' cpu.env)  # the CPU environment, defined in cpu.env
 # testbed (shipped in testbed/, see utils/testbed.py): 16 prompts x 8 samples per step, 2 optimizer updates per step,
 # evaluation on 200 held-out problems every 25 steps: greedy, and 16 samples each (mean@16, pass@16, entropy); no
 # rollout correction (--vllm-is-cap 0): the CPU engine's log-probs equal the trainer's to ~4e-7, and the published

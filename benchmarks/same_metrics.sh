@@ -12,8 +12,7 @@ set -uo pipefail
 if [ $# -lt 2 ]; then echo "usage: bash benchmarks/same_metrics.sh BEFORE_CHECKOUT AFTER_CHECKOUT [OUT]" >&2; exit 2; fi
 BEFORE=$(realpath "$1"); AFTER=$(realpath "$2"); OUT=$(realpath -m "${3:-runs/same_metrics}")
 ROOT=$(cd "$(dirname "$0")/.." && pwd); PY=${PY:-$ROOT/.venv/bin/python}
-export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_LOGGING_LEVEL=WARNING WANDB_MODE=offline \
-    HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false TORCHDYNAMO_DISABLE=1
+set -a; . "$ROOT/cpu.env"; set +a  # the CPU environment (cpu.env)
 TB=$ROOT/testbed
 BASE="--model-name-or-path $TB/model --dataset $TB/train.jsonl --eval-dataset $TB/test.jsonl --total-steps 6
   --num-prompts-per-step 16 --group-size 8 --max-prompt-length 128 --max-response-length 48 --micro-batch-size 32

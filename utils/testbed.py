@@ -51,20 +51,18 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-# the environment the scripts, benchmarks and tests run in on a CPU machine (the Makefile's CPU_ENV, less the log level)
-CPU_ENV = {
-    "DS_ACCELERATOR": "cpu",
-    "OMP_NUM_THREADS": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "WANDB_MODE": "offline",
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    # no torch.compile on a CPU: vLLM's sampler compiles a small op at its first request and DeepSpeed compiles its
-    # Muon optimizer when a ZeRO engine starts (inductor: a C++ toolchain probe and build), ~4 s of every CPU start
-    "TORCHDYNAMO_DISABLE": "1",
-}
-SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "testbed")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read_env(path: str) -> dict:
+    """VARIABLE=value lines (comments: #) as a dict."""
+    with open(path) as f:
+        return dict(line.strip().split("=", 1) for line in f if line.strip() and not line.startswith("#"))
+
+
+# the environment the scripts, benchmarks and tests run in on a CPU machine (cpu.env, defined once; less the log level)
+CPU_ENV = {k: v for k, v in read_env(os.path.join(ROOT, "cpu.env")).items() if k != "VLLM_LOGGING_LEVEL"}
+SHIPPED_DIR = os.path.join(ROOT, "testbed")
 PATHS = ((0, 1, 2), (0, 2, 1), (1, 2, 0))
 """The three solution paths: (first, second, third) operand positions; the first two are added first."""
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The CPU testbed comparison: all four methods on the shipped testbed (testbed/, utils/testbed.py) with the same
-# seeds, then compare.py. Needs no GPU: run it from anywhere after `make venv`. Writes the runs to
-# runs/testbed_compare/ (emptied first) and the table and plots to benchmarks/results/testbed/ (the README's results).
+# The CPU testbed comparison: the methods (default: the first four) on the shipped testbed (testbed/,
+# utils/testbed.py) with the same seeds, then compare.py. Needs no GPU: run it from anywhere after `make venv`.
+# Writes the runs to runs/testbed_compare/ (emptied first) and the table and plots to benchmarks/results/testbed/ (the README's results).
 #
 #   bash benchmarks/reproduce/testbed.sh                        # 4 methods x 3 seeds x 200 steps, 2 runs at a time
 #   METHODS="grpo_vanilla grpo_vanilla_top20 grpo_vanilla_top50 grpo_aent_top20 grpo_aent_target" \
@@ -40,8 +40,7 @@ if [ -z "${PY:-}" ]; then  # this checkout's .venv, else (a git worktree) the ma
   main=$(dirname "$(git rev-parse --path-format=absolute --git-common-dir 2>/dev/null || echo .)")
   [ -x "$PY" ] || [ ! -x "$main/.venv/bin/python" ] || PY=$main/.venv/bin/python
 fi
-export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_LOGGING_LEVEL=WARNING WANDB_MODE=offline \
-  HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false TORCHDYNAMO_DISABLE=1
+set -a; . ./cpu.env; set +a  # the CPU environment (cpu.env)
 
 # TESTBED=fork: the fork testbed (testbed/fork/, utils/fork_testbed.py): the same GRPO settings but for responses of
 # at most 32 tokens and its two test sets (majority and minority kind) of which 100 each are evaluated
@@ -64,7 +63,7 @@ fi
 # the Makefile's testbed settings (TESTBED_ARGS: 16 prompts x 8 samples per step, 2 optimizer mini-batches, lr 2e-4,
 # 200 steps, evaluation on 200 held-out problems every 25 steps, greedy and 16 samples each), the same for every
 # method: KL-Cov needs >= 2 mini-batches (its penalty is zero on the first, on-policy one), and the comparison is fair
-# only if all four make the same updates; no rollout correction (--vllm-is-cap 0: the CPU engine's log-probs equal the
+# only if all make the same updates; no rollout correction (--vllm-is-cap 0: the CPU engine's log-probs equal the
 # trainer's to ~4e-7, nothing to correct, and the published runs predate the flag)
 COMMON=(
   --model-name-or-path "$MODEL" --dataset "$TRAIN" --eval-dataset "$TEST" --eval-every 25 --eval-num-prompts "$EVAL_PROMPTS"
