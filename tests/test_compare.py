@@ -284,3 +284,13 @@ def test_testbed_runs_any_method_file_with_its_flags():
     assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
         'unknown method grpo_nothing: no grpo_nothing.py (a variant: METHOD_FLAGS_grpo_nothing="<script> <flags>")'
     ]
+
+
+def test_run_windows_averages_each_metric_over_its_logged_steps():
+    from benchmarks.run_windows import windows
+
+    rows = [{"step": s, "a": float(s), **({"b": 10.0 * s} if s % 2 else {})} for s in range(1, 8)]
+    rows.append({"step": 0, "eval/acc": 0.5})  # an evaluation row: no metric asked for, not a step of its own
+    out = windows(rows, ["a", "b"], window=3)
+    assert [(first, last) for first, last, _ in out] == [(1, 3), (4, 6), (7, 7)]
+    assert out[0][2] == {"a": 2.0, "b": 20.0} and out[1][2] == {"a": 5.0, "b": 50.0} and out[2][2]["b"] == 70.0

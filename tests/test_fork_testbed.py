@@ -126,3 +126,26 @@ def test_make_testbed_fork_runs_the_fork_testbed_with_the_first_ones_settings():
     assert (forked.max_response_length, forked.eval_num_prompts) == (32, 100)
     changed = {k for k, v in vars(first).items() if vars(forked)[k] != v}
     assert changed == {"model_name_or_path", "dataset", "eval_dataset", "max_response_length", "eval_num_prompts"}
+
+
+def test_fork_branches_measures_every_runs_final_model(tmp_path):
+    """benchmarks/fork_branches.py on two runs (the base model as their final/): a row per configuration with the
+    opening letter, the procedure and the minority pass@k, the initial policy's row, and a difference row; the
+    procedure share of the base policy is about its rare branch's (0.3), the letter's too."""
+    from launch import CPU_ENV, run_python
+
+    for name, seed in (("grpo_vanilla", 1), ("grpo_vanilla", 2), ("grpo_mine", 1)):
+        run = tmp_path / "runs" / f"{name}__{seed}"
+        run.mkdir(parents=True)
+        (run / "final").symlink_to(os.path.join(fork.SHIPPED_DIR, "model"))
+        (run / "args.json").write_text(json.dumps({"exp_name": name, "seed": seed}))
+    out = tmp_path / "branches.md"
+    argv = ["benchmarks/fork_branches.py", "--runs", str(tmp_path / "runs" / "*"), "--output", str(out)]
+    proc = run_python([*argv, "--problems", "8", "--samples", "4"], {**os.environ, **CPU_ENV})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = out.read_text()
+    assert "| initial policy | 1 |" in table and "| grpo_vanilla | 2 |" in table and "grpo_mine - grpo_vanilla" in table
+    figures = json.loads((tmp_path / "branches.json").read_text())
+    base = figures["initial policy"][0]["minority"]
+    assert 0.1 < base["rare_procedure_share"] < 0.6 and 0.1 < base["rare_share"] < 0.6
+    assert figures["grpo_vanilla"][0] == figures["grpo_vanilla"][1] == figures["initial policy"][0]  # seeded
