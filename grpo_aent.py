@@ -311,6 +311,20 @@ def clamped_entropy(logits: torch.Tensor, clamp_p: float, block: int | None = No
     return ops.entropy_above_kth(logits, min(int(clamp_p * vocab), vocab - 1), block)
 
 
+def aent_metrics(g: dict, coef_state: float, coef_spread: float, coef: float, updates_per_step: int) -> dict:
+    """AEnt's metrics from the step's sums over ranks: the clamped entropy of the sampling policy and of the policy
+    trained, the coefficient (its state after the step's updates, its spread over ranks, the last one applied) and
+    the bonus per update."""
+    return {
+        "entropy/clamped": g["clamped"] / g["tokens"],
+        "entropy/clamped_train": g["clamped_train"] / g["train_tokens"],
+        "entropy/coef": coef_state,
+        "entropy/coef_rank_spread": coef_spread,
+        "entropy/coef_applied": coef,
+        "entropy/bonus": g["bonus"] / updates_per_step,
+    }
+
+
 def next_entropy_coef(coef, entropy, *, low, high, lr, reg, init_coef, coef_min, coef_max) -> float:
     """AEnt's coefficient step: coef - lr (min(0, H - low) + max(0, H - high) + reg (coef - coef_0)), clipped to
     [coef_min, coef_max]: below the box [low, high] the coefficient rises, above it falls. Once per training step (as
@@ -614,10 +628,7 @@ if __name__ == "__main__":
         metrics.update(tracking.opening_metrics(entropies, batches, samples))  # the top 20% and first tokens
         coef_range = torch.tensor([coef_state, -coef_state], dtype=torch.float64, device=device)  # AEnt: max, -min
         dist.all_reduce(coef_range, op=dist.ReduceOp.MAX)
-        metrics["entropy/clamped"] = g["clamped"] / g["tokens"]
-        metrics["entropy/clamped_train"] = g["clamped_train"] / g["train_tokens"]
-        metrics.update({"entropy/coef": coef_state, "entropy/coef_rank_spread": coef_range.sum().item()})
-        metrics.update({"entropy/coef_applied": coef, "entropy/bonus": g["bonus"] / updates_per_step})
+        metrics.update(aent_metrics(g, coef_state, coef_range.sum().item(), coef, updates_per_step))  # AEnt
         tracker.log(metrics, step + 1)
         # AEnt: same inputs on every rank, same value, no broadcast; a non-finite entropy (skipped updates) keeps it
         h = metrics["entropy/sampled_nll" if args.coef_signal == "nll" else "entropy/clamped_train"]

@@ -326,6 +326,14 @@ def branch_gradients(log_ratio, advantages, eps_low: float, eps_high: float, cli
     }
 
 
+def cegppo_metrics(g: dict, sft: bool, updates_per_step: int) -> dict:
+    """CE-GPPO's metrics from the step's sums over ranks: each branch's share of the gradient (|d loss / d logp|,
+    loss-weighted), and with the SFT term its NLL per update (its share of the loss: x coef)."""
+    total = max(g["grad_beta1"] + g["grad_beta2"] + g["grad_inside"], 1e-30)
+    metrics = {f"cegppo/grad_{b}_share": g[f"grad_{b}"] / total for b in ("beta1", "beta2", "inside")}
+    return metrics | ({"cegppo/sft_nll": g["sft_nll"] / updates_per_step} if sft else {})
+
+
 def correct_tokens(samples: list, graded: list, lengths) -> torch.Tensor:
     """1 on every token of the micro-batch's responses (sample indices `samples`, their `lengths`) graded correct."""
     correct = torch.tensor([float(graded[k][0] == 1) for k in samples], device=lengths.device)
@@ -573,10 +581,7 @@ if __name__ == "__main__":
             tracking.step_metrics(g, args, grad_norms, skipped, scheduler, time.time() - step_start, max_length)
         )
         metrics.update(tracking.opening_metrics(entropies, batches, samples))  # the top 20% and first tokens
-        total = max(g["grad_beta1"] + g["grad_beta2"] + g["grad_inside"], 1e-30)  # CE-GPPO: each branch's share
-        metrics.update({f"cegppo/grad_{b}_share": g[f"grad_{b}"] / total for b in ("beta1", "beta2", "inside")})
-        if args.cegppo_sft_coef:  # CE-GPPO: the SFT term's NLL per update (its share of the loss: x coef)
-            metrics["cegppo/sft_nll"] = g["sft_nll"] / updates_per_step
+        metrics.update(cegppo_metrics(g, bool(args.cegppo_sft_coef), updates_per_step))  # CE-GPPO
         tracker.log(metrics, step + 1)
         progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", entropy=f"{metrics['entropy/full']:.3f}")
 

@@ -332,6 +332,16 @@ def lpreg_loss(token_loss, logp, old_logp, advantages, proxy, selected, beta: fl
     return torch.where(selected, -advantages * ratio, token_loss), beta * k3 * selected, k3
 
 
+def lpreg_metrics(g: dict, num_epochs: int) -> dict:
+    """Lp-Reg's metrics from the step's sums over ranks: the share of tokens regularised (every token is in one
+    mini-batch per epoch), their mean k3, the share of sampled tokens outside the min-p set."""
+    return {
+        "lpreg/selected_frac": g["lp_selected"] / (g["tokens"] * num_epochs),
+        "lpreg/k3_selected": g["lp_k3"] / max(g["lp_selected"], 1),
+        "lpreg/outside_minp_frac": g["outside_minp"] / g["tokens"],
+    }
+
+
 def lpreg_global_selection(current: list, proxies: list, batches: list, mb: range, rho: float) -> list:
     """--lpreg-scope global: the selection over the optimizer mini-batch of all ranks, given the current log-probs of
     this rank's micro-batches `batches[i] for i in mb` (one flat tensor each); their masks."""
@@ -591,9 +601,7 @@ if __name__ == "__main__":
             tracking.step_metrics(g, args, grad_norms, skipped, scheduler, time.time() - step_start, max_length)
         )
         metrics.update(tracking.opening_metrics(entropies, batches, samples))  # the top 20% and first tokens
-        metrics["lpreg/selected_frac"] = g["lp_selected"] / (g["tokens"] * args.num_epochs)  # Lp-Reg
-        metrics["lpreg/k3_selected"] = g["lp_k3"] / max(g["lp_selected"], 1)
-        metrics["lpreg/outside_minp_frac"] = g["outside_minp"] / g["tokens"]
+        metrics.update(lpreg_metrics(g, args.num_epochs))  # Lp-Reg
         tracker.log(metrics, step + 1)
         progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", entropy=f"{metrics['entropy/full']:.3f}")
 
