@@ -351,6 +351,46 @@ def entropy_selection(entropies: dict, rho: float) -> Selection:
     return Selection(kept, entropies, threshold.item(), gathered.numel() / max((gathered >= threshold).sum().item(), 1))
 
 
+class TokenSelection:
+    """The 80/20 rule in the loop, asked before each optimizer mini-batch (`start`) and for each micro-batch's loss
+    (`keep`); with --top-entropy-quantile 1 it keeps every token and costs nothing."""
+
+    def __init__(self, args):
+        self.rho = args.top_entropy_quantile
+        self.scope = args.entropy_mask_scope if self.rho < 1 else None
+        self.current, self.kept_mean = args.entropy_mask_source == "current", args.entropy_mask_norm == "kept"
+        self.selection = None
+
+    def start(self, mb: range, entropies: list, later: bool, forward: tuple) -> None:
+        """Global scope: one threshold over the mini-batch of all ranks from the sampling policy's entropies (the
+        current policy's until an update) or, with --entropy-mask-source current after the step's first update
+        (`later`), from a no-grad forward of the mini-batch (`forward`: the log-prob function, the policy, batches)."""
+        if self.scope == "global":
+            logprobs, policy, batches = forward
+            with torch.no_grad():
+                current = self.current and later
+                decide = {
+                    i: logprobs(policy, batches[i], with_entropy=True)[1] if current else entropies[i] for i in mb
+                }
+            self.selection = entropy_selection(decide, self.rho)
+
+    def keep(self, i: int, token_loss, entropy, sums: dict) -> tuple:
+        """Micro-batch i's per-token loss on its kept tokens only (x tokens / kept tokens with --entropy-mask-norm
+        kept: a mean over the kept); the microbatch scope selects here, from the training forward's entropies (TRL
+        1.16). Returns the loss, the kept mask (None: off) and the selection's scale; adds to the metrics' sums."""
+        if self.scope is None:
+            return token_loss, None, 1.0
+        if self.scope == "microbatch":  # TRL 1.16: this micro-batch's current entropies, all ranks
+            self.selection = entropy_selection({i: entropy.detach()}, self.rho)
+        s = self.selection
+        kept = s.kept[i]
+        sums["kept"] += kept.sum().double()
+        sums["kept_entropy"] += (s.entropy[i] * kept).sum().double()
+        sums["threshold"] += s.threshold
+        sums["selections"] += 1
+        return token_loss * kept * (s.scale if self.kept_mean else 1.0), kept, s.scale
+
+
 class Sample(NamedTuple):
     ids: list  # response token ids
     sampler_logps: list | None  # the sampler's log-prob of each token (vLLM only)
@@ -427,6 +467,7 @@ if __name__ == "__main__":
     if rollout_ranks.serving():  # a rollout rank generates for the trainers until they stop, then exits
         serve(args, generate, tokenizer, train_data, grading_workers)
     select = args.entropy_mask_scope if args.top_entropy_quantile < 1 else None  # 80/20 rule: where it selects
+    selector = TokenSelection(args)
     # else the training forward computes the old log-probs; a global selection needs the entropies before training
     separate_pass = updates_per_step > 1 or args.kl_coef > 0 or select == "global" or args.max_staleness > 0
     train_entropy = not separate_pass or select == "microbatch"  # the training forward's: old, or to select by
@@ -511,12 +552,7 @@ if __name__ == "__main__":
                     {"tokens": mb_lengths.sum().item(), "seqs": len(mb_lengths)}, device
                 )
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
-                if select == "global":  # 80/20 rule: one threshold over the mini-batch of all ranks
-                    decide = {i: entropies[i] for i in mb}  # the sampling policy's: the current one's until an update
-                    if args.entropy_mask_source == "current" and (epoch or m):
-                        with torch.no_grad():
-                            decide = {i: logprobs(policy, batches[i], with_entropy=True)[1] for i in mb}
-                    selection = entropy_selection(decide, args.top_entropy_quantile)
+                selector.start(mb, entropies, bool(epoch or m), (logprobs, policy, batches))  # 80/20 rule, global scope
                 generator = selection_generator(args, step, epoch, m, rank)  # Clip-Cov: this mini-batch's draw
                 if args.cov_scope == "global":  # one selection over the mini-batch of all ranks, before its updates
                     t1 = time.time()
@@ -543,15 +579,7 @@ if __name__ == "__main__":
                         bounds = (args.clip_cov_ratio, args.clip_cov_lb, args.clip_cov_ub)
                         selected = clip_cov_select(cov, ~clipped, *bounds, generator)
                     token_loss = token_loss * ~selected  # gradient dropped; the token stays in the denominator
-                    if select:  # 80/20 rule: the policy-gradient term on the kept tokens only
-                        if select == "microbatch":  # TRL 1.16: this micro-batch's current entropies, all ranks
-                            selection = entropy_selection({i: entropy.detach()}, args.top_entropy_quantile)
-                        kept = selection.kept[i]
-                        token_loss = token_loss * kept * (selection.scale if args.entropy_mask_norm == "kept" else 1.0)
-                        sums["kept"] += kept.sum().double()
-                        sums["kept_entropy"] += (selection.entropy[i] * kept).sum().double()
-                        sums["threshold"] += selection.threshold
-                        sums["selections"] += 1
+                    token_loss, kept, scale = selector.keep(i, token_loss, entropy, sums)  # 80/20: the kept tokens only
                     if ref_policy is not None:
                         log_ratio = ref_logps[i] - logp
                         ref_kl = torch.exp(log_ratio) - log_ratio - 1  # k3 estimator
@@ -572,12 +600,7 @@ if __name__ == "__main__":
                         sums["selected"] += selected.sum().double()
                         sums["selected_cov"] += torch.where(selected, cov, 0).sum().double()
                         sums["dropped"] += (selected | clipped).sum().double()
-                if policy.was_step_applied():
-                    grad_norms.append(float(policy.get_global_grad_norm()))  # already global: the same on every rank
-                else:  # a non-finite gradient on any rank: DeepSpeed skipped this update on every rank
-                    skipped += 1
-                    scheduler.step()  # and its schedule, which follows the optimizer calls (the steps) here
-        bad_steps = bad_steps + 1 if skipped else 0
+                skipped += lifecycle.record_update(policy, scheduler, grad_norms)  # or skipped (non-finite)
         metrics["time/training"] = time.time() - t0
 
         # ---- weight push: the sampler gets the new policy ----
@@ -608,7 +631,7 @@ if __name__ == "__main__":
 
         # ---- evaluation and checkpoint ----
         # every rank agrees: the skipped updates are global
-        lifecycle.check_bad_steps(bad_steps, args.max_bad_steps, run_dir, tracker)
+        bad_steps = lifecycle.check_bad_steps(bad_steps, skipped, args.max_bad_steps, run_dir, tracker)
         done = step + 1 == args.total_steps
         if eval_data and args.eval_every and ((step + 1) % args.eval_every == 0 or done):
             tracker.log(evaluate(args, sampler, policy, tokenizer, eval_data, logprobs, tp_group), step + 1)

@@ -5,8 +5,8 @@
 #   bash benchmarks/same_metrics.sh /tmp/before . runs/same_metrics
 # ALLOW_NEW=1: metrics only the after side logs (a change that adds metrics) are listed, not a failure.
 # ONLY="aent_mb2 aent_z3_2p": run only these configurations.
-# 19 configurations: each method, the single-update path (no log-prob pass), a reference-KL run, the reference's
-# micro-batch Cov scope, ZeRO-3 on 2 ranks, token selection, a rollout rank (s = 0; AEnt: s = 1 under ZeRO-3), Lp-Reg's
+# 22 configurations: each method, the single-update path (no log-prob pass), a reference-KL run, the reference's
+# micro-batch Cov scope, ZeRO-3 on 2 ranks, token selection (global, micro-batch scope, current source, AEnt's synced bonus), a rollout rank (s = 0; AEnt: s = 1 under ZeRO-3), Lp-Reg's
 # global selection on 1 and 2 ranks; 6 steps each, evaluation (greedy + 4 samples) at steps 0, 3, 6.
 set -uo pipefail
 if [ $# -lt 2 ]; then echo "usage: bash benchmarks/same_metrics.sh BEFORE_CHECKOUT AFTER_CHECKOUT [OUT]" >&2; exit 2; fi
@@ -38,6 +38,9 @@ CONFIGS=(
   "entadv_mb2 1 grpo_entadv.py --num-mini-batches 2 --top-entropy-quantile 0.5"
   "vanilla_rr 2 grpo_vanilla.py --num-mini-batches 2 --rollout-ranks 1"
   "aent_rr_s1 2 grpo_aent.py --num-mini-batches 2 --rollout-ranks 1 --max-staleness 1 --zero-stage 3 $AENT"
+  "vanilla_top20_micro 1 grpo_vanilla.py --num-mini-batches 2 --top-entropy-quantile 0.2 --entropy-mask-scope microbatch"
+  "vanilla_top20_current 1 grpo_vanilla.py --num-mini-batches 2 --top-entropy-quantile 0.2 --entropy-mask-source current"
+  "aent_top20_kept 1 grpo_aent.py --num-mini-batches 2 --top-entropy-quantile 0.2 --entropy-mask-norm kept $AENT"
   "lpreg_mb2 1 grpo_lpreg.py --num-mini-batches 2 --lpreg-rho 0.3"
   "lpreg_2p 2 grpo_lpreg.py --num-mini-batches 2 --lpreg-rho 0.3 --no-use-vllm --micro-batch-size 16"
   "cegppo_mb4 1 grpo_cegppo.py --num-mini-batches 4 --micro-batch-size 32"

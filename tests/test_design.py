@@ -95,6 +95,10 @@ def top_level(path: str) -> dict:
     return found
 
 
+def test_every_method_file_is_checked_for_its_conditionals():
+    assert set(METHOD_CONDITIONALS) == {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "grpo_*.py"))}
+
+
 def test_every_method_file_is_checked():
     assert set(CHANGED) <= set(SCRIPTS), f"listed but missing: {sorted(set(CHANGED) - set(SCRIPTS))}"
 
@@ -238,3 +242,31 @@ def test_readme_names_every_utils_module_and_the_sizes_hold():
     limits = {"grpo_vanilla.py": 600, "README.md": 300, **{s: 725 for s in SCRIPTS}}
     limits |= {m: 400 for m in modules if m != "utils/testbed.py"}
     assert not {p: lines(p) for p, limit in limits.items() if lines(p) > limit}, "over their limits"
+
+
+# the conditionals a method's loop adds to vanilla's, and why (vanilla's loop: at most 12, as CleanRL's ppo.py's 8)
+METHOD_CONDITIONALS = {
+    "grpo_vanilla.py": 0,
+    "grpo_aent.py": 10,  # the bonus's two passes, its synced tokens, the box and target rules, their cadence, warm-up
+    "grpo_klcov.py": 3,  # the global or micro-batch selection (twice), the penalty's metrics
+    "grpo_clipcov.py": 3,  # the same
+    "grpo_lpreg.py": 3,  # the same
+    "grpo_cegppo.py": 2,  # the SFT term: its mask, its loss
+    "grpo_cispo.py": 0,
+    "grpo_entadv.py": 0,
+}
+
+
+def loop_conditionals(path: str) -> int:
+    """The ifs (statements and expressions) in a script's training loop, `for step in ...`."""
+    tree = ast.parse(open(path).read())
+    loop = next(n for n in ast.walk(tree) if isinstance(n, ast.For) and getattr(n.target, "id", None) == "step")
+    return sum(isinstance(n, (ast.If, ast.IfExp)) for n in ast.walk(loop))
+
+
+@pytest.mark.parametrize("script", sorted(METHOD_CONDITIONALS))
+def test_the_loop_reads_like_ppo_py(script):
+    """Vanilla's loop has at most 12 conditionals; a method's at most vanilla's and what its method needs."""
+    base = loop_conditionals(os.path.join(ROOT, "grpo_vanilla.py"))
+    assert base <= 12
+    assert loop_conditionals(os.path.join(ROOT, script)) <= base + METHOD_CONDITIONALS[script]
