@@ -484,8 +484,8 @@ if __name__ == "__main__":
     grading_workers = args.grading_workers or default_grading_workers()
     if rollout_ranks.serving():  # a rollout rank generates for the trainers until they stop, then exits
         serve(args, generate, tokenizer, train_data, grading_workers)
-    select = args.entropy_mask_scope if args.top_entropy_quantile < 1 else None  # 80/20 rule: where it selects
-    selector = TokenSelection(args)
+    selector = TokenSelection(args)  # the 80/20 rule
+    select = selector.scope  # where it selects: global, microbatch or None (off)
     # else the training forward computes the old log-probs; a global selection needs the entropies before training
     separate_pass = updates_per_step > 1 or args.kl_coef > 0 or select == "global" or args.max_staleness > 0
     train_entropy = not separate_pass or select == "microbatch"  # the training forward's: old, or to select by
