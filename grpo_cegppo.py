@@ -334,6 +334,11 @@ class TokenSelection:
 
 
 # ---- CE-GPPO: bounded gradients outside the clip range ----
+def gppo_branches(ratio, advantages, eps_low: float, eps_high: float) -> tuple:
+    """The bounded branches' masks: A < 0 below the clip range (beta1's), A > 0 above it (beta2's); strict as theirs."""
+    return (ratio < 1.0 - eps_low) & (advantages < 0), (ratio > 1.0 + eps_high) & (advantages > 0)
+
+
 def gppo_loss(logp, old_logp, advantages, eps_low: float, eps_high: float, clip_c: float, beta1: float, beta2: float):
     """Per-token CE-GPPO loss, the authors' compute_gppo_loss_general_beta: r = exp(logp - old_logp) (log-ratio
     clamped to +-20 as in every loss here; theirs is not); -beta1 (1 - eps_low) (r / sg(r)) A where r < 1 - eps_low
@@ -342,7 +347,7 @@ def gppo_loss(logp, old_logp, advantages, eps_low: float, eps_high: float, clip_
     gradient of logp at any ratio (the clamp's would vanish beyond +-20). Returns the loss and the mask of the
     dual-clipped tokens (no gradient: PPO's clip leaves none here)."""
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
-    low, high = (ratio < 1.0 - eps_low) & (advantages < 0), (ratio > 1.0 + eps_high) & (advantages > 0)
+    low, high = gppo_branches(ratio, advantages, eps_low, eps_high)
     bound = torch.where(low, beta1 * (1.0 - eps_low), beta2 * (1.0 + eps_high))
     loss = torch.where(low | high, -bound * torch.exp(logp - logp.detach()) * advantages, -ratio * advantages)
     if not clip_c:
@@ -356,7 +361,7 @@ def branch_gradients(log_ratio, advantages, eps_low: float, eps_high: float, cli
     lowers entropy, by the authors' analysis), beta2 (A > 0 above it: raises it), inside (r |A|; 0 where the dual clip
     holds)."""
     ratio, a = torch.exp(log_ratio.clamp(-20.0, 20.0)), advantages.abs()
-    low, high = (ratio < 1.0 - eps_low) & (advantages < 0), (ratio > 1.0 + eps_high) & (advantages > 0)
+    low, high = gppo_branches(ratio, advantages, eps_low, eps_high)
     dual = (advantages < 0) & ~low & (ratio > clip_c) if clip_c else torch.zeros_like(low)
     inside = ~(low | high | dual)
     return {
