@@ -20,26 +20,24 @@ from benchmarks.compare import diff_ci, fmt_ci, mean_ci  # noqa: E402
 from utils import fork_testbed as ft  # noqa: E402
 from utils import testbed as tb  # noqa: E402
 
-COLUMNS = [  # (kind, key, header)
+COLUMNS = [  # (kind, key, header; n: the samples per problem)
     ("minority", "rare_share", "minority: opens with 's'"),
     ("minority", "rare_procedure_share", "minority: subtracts"),
-    ("minority", "pass@16", "minority pass@16"),
+    ("minority", "pass@n", "minority pass@{n}"),
     ("majority", "rare_procedure_share", "majority: subtracts"),
-    ("majority", "accuracy", "majority mean@16"),
+    ("majority", "accuracy", "majority mean@{n}"),
 ]
 
 
 def measure_run(path: str, rows: list, samples: int) -> dict:
+    """utils/fork_testbed.measure_by_kind on a saved model (greedy and `samples` at T 1, seed 1), pass@n beside."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    out = {}
-    for kind in ("majority", "minority"):
-        m = ft.measure(model, tok, [r for r in rows if r["data_source"] == kind], samples, seed=1)
-        out[kind] = {**m, "pass@16": m["pass@k"][str(samples)]}
-    return out
+    by_kind = ft.measure_by_kind(model, tok, rows, samples, seed=1)
+    return {kind: {**m, "pass@n": m["pass@k"][str(samples)]} for kind, m in by_kind.items()}
 
 
 def main():
@@ -68,7 +66,7 @@ def main():
             figures.setdefault(name, []).append(measure_run(os.path.join(path, "final"), rows, a.samples))
             print(f"{path}: {json.dumps(figures[name][-1]['minority'])[:200]}", flush=True)
     value = lambda runs, kind, key: [r[kind][key] for r in runs]  # noqa: E731
-    lines = ["| configuration | seeds | " + " | ".join(h for _, _, h in COLUMNS) + " |"]
+    lines = ["| configuration | seeds | " + " | ".join(h.format(n=a.samples) for _, _, h in COLUMNS) + " |"]
     lines.append("| --- " * (len(COLUMNS) + 2) + "|")
     for name, rs in figures.items():
         cells = [fmt_ci(*mean_ci(value(rs, k, key))) for k, key, _ in COLUMNS]
