@@ -24,13 +24,13 @@ import torch.distributed as dist
 import tyro
 from tqdm import tqdm
 
-from utils import batching, checkpoints, distributed, lifecycle, models, ops, rollout_ranks, rollouts, tracking
+from utils import batching, checkpoints, distributed, lifecycle, models, ops, rollouts, tracking
 from utils.checks import check_args
 from utils.data import check_model, eval_prompts, load_tokenizer, tokenized_prompts
+from utils.generation_server import serve
 from utils.logprobs import response_logprobs
 from utils.resume import open_run
 from utils.reward import default_grading_workers
-from utils.rollout_server import serve
 from utils.vllm_engine import make_sampler, push_weights
 
 
@@ -110,7 +110,7 @@ class Args:
     vllm_tensor_parallel_size: int = 1
     """ranks per vLLM engine: each group of this many consecutive ranks shares one tensor-parallel engine"""
     rollout_ranks: int = 0
-    """the last this many processes only generate, the others train (utils/rollout_ranks.py); 0: colocated engines"""
+    """the last this many processes only generate, the others train (utils/split_launch.py); 0: colocated engines"""
     max_staleness: int = 0
     """--rollout-ranks: each step trains on samples of the policy s updates behind (0: no overlap; 1: one-step-off)"""
     filter_groups: bool = False
@@ -365,7 +365,7 @@ def evaluate(args, sampler, policy, tokenizer, eval_data: list, logprobs, group=
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    rank, local_rank, world_size, device, on_gpu = distributed.init_distributed(args.rollout_ranks)  # the trainers
+    rank, local_rank, world_size, device, on_gpu, launch = distributed.init_distributed(args.rollout_ranks)
     validate_args(args, world_size)
     check_model(args)  # the model loads and the context fits it
     args.world_size, args.git_commit = world_size, tracking.git_commit()
@@ -388,8 +388,8 @@ if __name__ == "__main__":
     G, mbs, clip = args.group_size, args.micro_batch_size, (args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c)
     updates_per_step = args.num_mini_batches * args.num_epochs
     grading_workers = args.grading_workers or default_grading_workers()
-    if rollout_ranks.serving():  # a rollout rank generates for the trainers until they stop, then exits
-        serve(args, generate, tokenizer, train_data, grading_workers)
+    if launch.serving:  # a rollout rank generates for the trainers until they stop, then exits
+        serve(launch, args, generate, tokenizer, train_data, grading_workers)
     selector = TokenSelection(args)  # the 80/20 rule
     select = selector.scope  # where it selects: global, microbatch or None (off)
     # else the training forward computes the old log-probs; a global selection needs the entropies before training
@@ -401,15 +401,15 @@ if __name__ == "__main__":
     start_step, method_state = 0, {}
     consumed = 0  # prompts of the seeded stream used so far
     if resumed:
-        start_step, method_state, consumed = checkpoints.load(policy, resumed, rank)
+        start_step, method_state, consumed = checkpoints.load(policy, resumed, rank, launch)
     calls = models.head_calls(args)  # ZeRO-3: every rank calls the output head equally often (None: any number)
 
     def logprobs(model, batch, with_entropy=False, extra=None):
         return response_logprobs(model, batch, args.temperature, args.logprob_chunk_size, with_entropy, calls, extra)
 
-    sampler = make_sampler(args, rank, on_gpu, policy) if args.use_vllm else None
-    tp_group = distributed.tensor_parallel_group(args.vllm_tensor_parallel_size)  # the ranks sharing its sampler
-    sleeping = on_gpu and sampler is not None and args.vllm_sleep_level > 0 and not args.rollout_ranks
+    sampler = make_sampler(args, rank, on_gpu, policy, launch) if args.use_vllm else None
+    tp_group = distributed.tensor_parallel_group(args.vllm_tensor_parallel_size, launch)  # ranks sharing its sampler
+    sleeping = on_gpu and sampler is not None and args.vllm_sleep_level > 0 and not launch.trains
 
     def sample(prompts, seeds):  # G samples per prompt, called once per generation round
         return generate(args, sampler, policy, tokenizer, prompts, seeds, G, False, tp_group)
@@ -417,7 +417,7 @@ if __name__ == "__main__":
     if sampler is not None and resumed:
         push_weights(policy, sampler, args.zero_stage)
     tracker = tracking.Tracker(args, run_dir, rank, start_step if resumed else None)  # metrics.jsonl; wandb: --track
-    stop, trim_heap = lifecycle.StopSignal(), lifecycle.HeapTrim()
+    stop, trim_heap = lifecycle.StopSignal(launch), lifecycle.HeapTrim()
     if eval_data and args.eval_every and start_step == 0:
         tracker.log(evaluate(args, sampler, policy, tokenizer, eval_data, logprobs, tp_group), 0)  # the base policy
     bad_steps, stopping = 0, False
@@ -425,7 +425,7 @@ if __name__ == "__main__":
     for step in progress:
         step_start = time.time()
         # ---- rollouts: G samples per prompt, graded (utils/rollouts.py: dynamic sampling, rollout ranks) ----
-        rollout = rollouts.collect(args, consumed, train_data, tokenizer, sample, grading_workers, rank, world_size)
+        rollout = rollouts.collect(args, consumed, train_data, tokenizer, sample, grading_workers, launch)
         if sleeping:
             sampler.sleep(level=args.vllm_sleep_level)
         prompts, samples, graded, rewards = rollout.prompts, rollout.samples, rollout.graded, rollout.rewards
@@ -540,9 +540,9 @@ if __name__ == "__main__":
         trim_heap()
         stopping = stop.agreed(device)  # a signal to any rank stops them all
         if (args.save_every and (step + 1) % args.save_every == 0) or done or stopping:
-            checkpoints.save(policy, run_dir, step + 1, method_state, args, rank, done or stopping, consumed)
+            checkpoints.save(policy, run_dir, step + 1, method_state, args, rank, done or stopping, consumed, launch)
         if stopping:
             break
 
     lifecycle.finish(policy, tokenizer, run_dir, args, rank, tracker, stopped_at=step + 1 if stopping else None)
-    lifecycle.shutdown(sampler)  # the engine first, then the process groups
+    lifecycle.shutdown(sampler, launch)  # the engine first, then the process groups

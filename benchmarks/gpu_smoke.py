@@ -546,7 +546,7 @@ def in_process(a) -> None:
     def say(line: str) -> None:
         print(f"SMOKE {line}", flush=True)
 
-    _, _, _, device, on_gpu = distributed.init_distributed()
+    _, _, _, device, on_gpu, launch = distributed.init_distributed()
     hw, dims = ("gpu", QWEN25_15B) if on_gpu else ("cpu", TINY)
     sz, dtype = IN_PROCESS[hw], torch.bfloat16 if on_gpu else torch.float32
     model_dir = os.path.join(os.path.abspath(a.work_dir), f"model-{'qwen2.5-1.5b-dims' if on_gpu else 'tiny'}")
@@ -581,7 +581,7 @@ def in_process(a) -> None:
     policy = models.make_policy(args, on_gpu, n_seqs // mbs, updates_per_step=1)[0]
     if on_gpu:
         memory("after DeepSpeed init")
-    sampler = vllm_engine.make_sampler(args, 0, on_gpu)
+    sampler = vllm_engine.make_sampler(args, 0, on_gpu, None, launch)
     if on_gpu:
         memory("after engine init")
     runner = getattr(getattr(sampler.llm_engine, "vllm_config", None), "use_v2_model_runner", "unknown")

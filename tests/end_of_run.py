@@ -1,5 +1,5 @@
 """Run by tests/test_rollout_ranks.py on 2 trainers and 1 rollout rank (--rollout-ranks 1), without a model: the end of
-a run as the scripts end it (lifecycle.shutdown on the trainers; rollout_server.serve's end after trainer 0's stop),
+a run as the scripts end it (lifecycle.shutdown on the trainers; generation_server.serve's end after trainer 0's stop),
 then, at the interpreter's exit, each rank prints how many gloo worker threads it still has. The rollout rank's engine
 is a stand-in: what is tested is the teardown of the groups between the worlds, not vLLM."""
 
@@ -9,7 +9,7 @@ import sys
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from utils import distributed, lifecycle, rollout_ranks, rollout_server  # noqa: E402
+from utils import distributed, generation_server, lifecycle  # noqa: E402
 
 
 def gloo_workers() -> int:
@@ -19,10 +19,10 @@ def gloo_workers() -> int:
 
 
 atexit.register(lambda: print(f"gloo workers at exit: {gloo_workers()}", flush=True))
-distributed.init_distributed(1)
+launch = distributed.init_distributed(1)[-1]
 args = SimpleNamespace(max_staleness=1, vllm_tensor_parallel_size=1, group_size=2)
 llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: None)))  # close_engine's
-if rollout_ranks.serving():  # until trainer 0's stop, then exits
-    rollout_server.make_sampler = lambda *a: llm
-    rollout_server.serve(args, None, None, [], 1)
-lifecycle.shutdown(rollout_ranks.Engine(args))  # the trainers
+if launch.serving:  # until trainer 0's stop, then exits
+    generation_server.make_sampler = lambda *a: llm
+    generation_server.serve(launch, args, None, None, [], 1)
+lifecycle.shutdown(launch.make_engine(args), launch)  # the trainers

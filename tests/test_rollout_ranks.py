@@ -1,4 +1,4 @@
-"""--rollout-ranks: the real scripts on the CPU testbed, 2 trainers and 1 rollout rank (utils/rollout_ranks.py): at
+"""--rollout-ranks: the real scripts on the CPU testbed, 2 trainers and 1 rollout rank (utils/split_launch.py): at
 --max-staleness 0 the colocated run's trajectory; at 1 one trajectory per seed, through a kill and its resume; every
 method script once in this mode; a rank that dies stops the job with one line from each rank left; a run's end joins
 the gloo threads of the groups between the worlds."""

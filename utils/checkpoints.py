@@ -23,8 +23,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import rollout_ranks
-
 CHECKSUMS = "checksums.json"
 
 
@@ -103,15 +101,16 @@ def find_intact(path: str) -> str | None:
     return None
 
 
-def load(engine, checkpoint: dict, rank: int):
-    """Restore the DeepSpeed engine (weights, optimizer, scheduler) and this rank's RNG states; (step, method_state,
-    prompts consumed: where the next step's prompts start in the stream, step x P in checkpoints that predate it)."""
+def load(engine, checkpoint: dict, rank: int, launch):
+    """Restore the DeepSpeed engine (weights, optimizer, scheduler), this rank's RNG states and, beside rollout ranks,
+    its batches in flight (into `launch`, utils/split_launch.py); (step, method_state, prompts consumed: where the next
+    step's prompts start in the stream, step x P in checkpoints that predate it)."""
     engine.load_checkpoint(checkpoint["path"], tag="state")
     rng = torch.load(os.path.join(checkpoint["path"], f"rng_rank{rank}.pt"), weights_only=False)
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
-    rollout_ranks.restore(checkpoint, rank)
+    launch.restore(checkpoint, rank)
     consumed = checkpoint.get("consumed", checkpoint["step"] * checkpoint["args"]["num_prompts_per_step"])
     return checkpoint["step"], checkpoint["method_state"], consumed
 
@@ -136,7 +135,7 @@ def _write_problem(error: Exception, where: str) -> str:
     return f"{type(error).__name__} writing {where}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
-def save(engine, run_dir: str, step: int, method_state: dict, args, rank: int, final=False, consumed=None) -> bool:
+def save(engine, run_dir: str, step: int, method_state: dict, args, rank: int, final=False, consumed=None, launch=None):
     """Write a checkpoint to a temporary directory with every file's size and sha256, then rename it: a crash never
     leaves a partial step_* dir; older checkpoints are rotated only after the new one is complete. Every rank must hold
     the same step, method state and `consumed` (the prompts of the stream used: utils.rollouts) (checked here).
@@ -175,8 +174,8 @@ def save(engine, run_dir: str, step: int, method_state: dict, args, rank: int, f
             try:
                 rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
                 torch.save({"state": state, **rng}, os.path.join(tmp, f"rng_rank{rank}.pt"))
-                if args.rollout_ranks:  # the batches in flight (--max-staleness)
-                    rollout_ranks.save_in_flight(tmp)
+                if launch is not None:  # the batches in flight beside rollout ranks (--max-staleness)
+                    launch.save_in_flight(tmp)
             except (OSError, RuntimeError) as e:
                 problem = _write_problem(e, tmp)
         problem = _first_problem(problem)

@@ -11,16 +11,17 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from . import rollout_ranks
+from .split_launch import SplitLaunch, reason
 from .versions import too_old
 
 
-def init_distributed(rollout_ranks_: int = 0):
-    """(rank, local_rank, world_size, device, on_gpu) of this process, torch.distributed initialised through DeepSpeed.
+def init_distributed(rollout_ranks: int = 0):
+    """(rank, local_rank, world_size, device, on_gpu, launch) of this process, torch.distributed initialised through
+    DeepSpeed; `launch` is its place in the launch (utils/split_launch.py SplitLaunch).
 
-    Without a launcher (`python grpo_vanilla.py`) it is a world of one process. With `rollout_ranks_` > 0 the last
-    ones of the launch only generate (utils/rollout_ranks.py): world_size counts the trainers, and a rollout rank's
-    rank is its rank in the launch (>= world_size).
+    Without a launcher (`python grpo_vanilla.py`) it is a world of one process. With `rollout_ranks` > 0 the last
+    ones of the launch only generate: world_size counts the trainers, and a rollout rank's rank is its rank in the
+    launch (>= world_size).
     """
     if problem := too_old():  # a one-line error, not a crash deep in a library
         raise SystemExit(f"error: {problem}")
@@ -36,13 +37,12 @@ def init_distributed(rollout_ranks_: int = 0):
     else:  # DeepSpeed would compile a shared-memory comm op (~25 s) that gloo does not need
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         device = torch.device("cpu")
-    launch_size = world_size
-    if rollout_ranks_:  # two torch.distributed worlds, the trainers' and the rollout ranks'
-        world_size = rollout_ranks.split_world(rollout_ranks_, accelerator.communication_backend_name(), device)
+    # with rollout ranks, two torch.distributed worlds: the trainers' and the rollout ranks'
+    launch = SplitLaunch(rollout_ranks, accelerator.communication_backend_name(), device)
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
-    if launch_size > 1:
+    if world_size > 1:
         one_line_when_a_peer_is_gone(rank)
-    return rank, local_rank, world_size, device, on_gpu
+    return rank, local_rank, world_size - rollout_ranks, device, on_gpu, launch
 
 
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
@@ -57,7 +57,7 @@ def one_line_when_a_peer_is_gone(rank: int) -> None:
 
     def hook(kind, error, traceback):
         if isinstance(error, RuntimeError) and any(words in str(error) for words in PEER_GONE):
-            why = rollout_ranks.reason(error)
+            why = reason(error)
             print(f"error: another process of the launch has ended ({why}); rank {rank} stops too", file=sys.stderr)
         else:
             previous(kind, error, traceback)
@@ -85,10 +85,10 @@ def gather_ranks(x: torch.Tensor):
     return torch.cat([p[:n] for p, n in zip(parts, sizes)]), sum(sizes[: dist.get_rank()])
 
 
-def tensor_parallel_group(tp: int):
+def tensor_parallel_group(tp: int, launch: SplitLaunch):
     """This rank's process group of the tp consecutive ranks that share one vLLM engine (None when tp is 1, and on
     trainers beside rollout ranks); every rank creates every group, in the same order, as torch.distributed requires."""
-    if tp == 1 or rollout_ranks.trains():
+    if tp == 1 or launch.trains:
         return None
     groups = [dist.new_group(list(range(g, g + tp))) for g in range(0, dist.get_world_size(), tp)]
     return groups[dist.get_rank() // tp]

@@ -9,15 +9,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import checkpoints, rollout_ranks
+from . import checkpoints
+from .split_launch import Engine
 from .vllm_engine import close_engine
 
 
 class StopSignal:
-    """SIGTERM (schedulers send it before preemption) and SIGINT set a flag; the loop checkpoints, then exits."""
+    """SIGTERM (schedulers send it before preemption) and SIGINT set a flag; the loop checkpoints, then exits. Beside
+    rollout ranks a rollout rank's signal counts too (the launch's SplitLaunch)."""
 
-    def __init__(self):
-        self.requested = False
+    def __init__(self, launch):
+        self.requested, self.launch = False, launch
         signal.signal(signal.SIGTERM, self._request)
         signal.signal(signal.SIGINT, self._request)
 
@@ -26,7 +28,7 @@ class StopSignal:
 
     def agreed(self, device) -> bool:
         """Whether any rank got a signal (a collective: every rank calls it at the same point)."""
-        flag = torch.tensor([float(self.requested or rollout_ranks.stop_requested())], device=device)
+        flag = torch.tensor([float(self.requested or self.launch.stop_requested())], device=device)
         dist.all_reduce(flag)
         self.requested = bool(flag.item())
         return self.requested
@@ -73,16 +75,16 @@ def check_bad_steps(bad_steps: int, skipped: int, max_bad_steps: int, run_dir: s
     return bad_steps
 
 
-def shutdown(sampler) -> None:
+def shutdown(sampler, launch) -> None:
     """The end of a run: the vLLM engine shut down explicitly (close_engine; the rollout ranks' stop), then the
-    process groups it left, and with --rollout-ranks the two between the worlds (rollout_ranks.close)."""
-    if isinstance(sampler, rollout_ranks.Engine):
+    process groups it left, and with --rollout-ranks the two between the worlds (SplitLaunch.close)."""
+    if isinstance(sampler, Engine):
         sampler.close()
     elif sampler is not None:
         close_engine(sampler)
     if dist.is_initialized():
         dist.destroy_process_group()
-    rollout_ranks.close()  # their gloo threads joined before the interpreter's exit, which would abort one still busy
+    launch.close()  # their gloo threads joined before the interpreter's exit, which would abort one still busy
 
 
 def finish(engine, tokenizer, run_dir: str, args, rank: int, tracker, stopped_at=None) -> None:

@@ -20,7 +20,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import rollout_ranks
 from .data import rank_slots, stream_index
 from .reward import grade_all
 
@@ -51,19 +50,20 @@ def next_round_size(missing: int, kept: int, generated: int, P: int, world_size:
     return math.ceil(n / world_size) * world_size
 
 
-def collect(args, consumed: int, train_data: list, tokenizer, sample, grading_workers: int, rank: int, world_size: int):
+def collect(args, consumed: int, train_data: list, tokenizer, sample, grading_workers: int, launch):
     """This rank's groups of the step whose batch starts at stream position `consumed`: a Rollout. `sample(prompts,
-    seeds)` returns G samples per prompt (every rank calls it once per round, as collectives may need). With
-    --rollout-ranks the rollout ranks collected it (collect_for, utils/rollout_ranks.py): this rank receives it."""
-    if args.rollout_ranks:
-        return rollout_ranks.receive(consumed)
+    seeds)` returns G samples per prompt (every rank calls it once per round, as collectives may need). Beside
+    rollout ranks (`launch`, utils/split_launch.py) they collected it (collect_for): this rank receives it."""
+    if launch.trains:
+        return launch.receive(consumed)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     return collect_for(args, consumed, train_data, tokenizer, sample, grading_workers, [rank], world_size)[1][rank]
 
 
 def collect_for(args, consumed: int, train_data: list, tokenizer, sample, grading_workers: int, ranks, world_size: int):
     """(the next step's stream position, {rank: its Rollout}) for the training ranks `ranks` of `world_size`: this
     process generates and grades their groups; the processes of its torch.distributed world together cover every
-    training rank (the trainers themselves, or the rollout ranks: utils/rollout_ranks.py)."""
+    training rank (the trainers themselves, or the rollout ranks: utils/split_launch.py)."""
     P, G = args.num_prompts_per_step, args.group_size
     groups = {}  # stream position -> (prompt, samples, graded, rewards) of the groups this process generated
     kept, dropped = [], []  # stream positions, all ranks'

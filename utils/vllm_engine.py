@@ -1,6 +1,6 @@
 """The colocated vLLM engine of a rank (the sampler): its start (import, GPU memory check, the CPU shims), the weight
 push from the DeepSpeed policy, and its shutdown. On trainers beside rollout ranks the sampler is their stand-in
-(utils/rollout_ranks.py Engine)."""
+(utils/split_launch.py Engine)."""
 
 import atexit
 import gc
@@ -11,7 +11,6 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from . import rollout_ranks
 from .models import later_training_bytes
 
 
@@ -110,11 +109,12 @@ def name_vllm_cpu_shm() -> None:
     )
 
 
-def make_sampler(args, rank: int, on_gpu: bool, policy=None):
+def make_sampler(args, rank: int, on_gpu: bool, policy, launch):
     """This process's part of a vLLM engine in the torch.distributed world (external launcher): its own engine with
-    --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks)."""
-    if rollout_ranks.trains():  # beside rollout ranks, which run the engines: a stand-in for them
-        return rollout_ranks.Engine(args)
+    --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks).
+    `launch` (utils/split_launch.py): on a trainer beside rollout ranks, which run the engines, a stand-in for them."""
+    if launch.trains:
+        return launch.make_engine(args)
     LLM = import_vllm()
     check_vllm_memory(args, on_gpu, policy)  # its budget is free now, with room for the training state: or why not
     if not on_gpu:

@@ -1,4 +1,4 @@
-"""A rollout rank's life with --rollout-ranks (utils/rollout_ranks.py: the split world, the trainers' Engine, the
+"""A rollout rank's life with --rollout-ranks (utils/split_launch.py: the split world, the trainers' Engine, the
 messages): it starts its part of a vLLM engine and runs trainer 0's commands until "stop", collecting the batches of
 the trainer ranks it plays (utils/rollouts.py collect_for, the script's generate), loading weights, generating for
 evaluation; a sender thread delivers the batches while it generates the next ones. Knows no method."""
@@ -11,10 +11,10 @@ from queue import Queue
 import torch
 import torch.distributed as dist
 
-from . import rollout_ranks as rr
 from . import rollouts
 from .distributed import tensor_parallel_group
 from .lifecycle import StopSignal, shutdown
+from .split_launch import broadcast, send
 from .vllm_engine import make_sampler
 
 _told = threading.Lock()
@@ -30,17 +30,17 @@ def _say_once(line: str) -> None:
 class _Sender(threading.Thread):
     """Sends queued (trainer rank, message) pairs in order, so that the rollout rank goes on generating."""
 
-    def __init__(self):
+    def __init__(self, launch):
         super().__init__(daemon=True)
-        self.queue = Queue()
+        self.queue, self.launch = Queue(), launch
         self.start()
 
     def run(self):
         while (item := self.queue.get()) is not None:
             try:
-                rr.send(item[1], item[0], rr.world().bridge)
+                send(item[1], item[0], self.launch.bridge)
             except RuntimeError as e:
-                _say_once(rr.failed(f"trainer rank {item[0]}", e).code)
+                _say_once(self.launch.failed(f"trainer rank {item[0]}", e).code)
                 os._exit(1)
 
     def close(self):
@@ -48,27 +48,26 @@ class _Sender(threading.Thread):
         self.join()
 
 
-def serve(args, generate, tokenizer, train_data: list, grading_workers: int) -> None:
+def serve(launch, args, generate, tokenizer, train_data: list, grading_workers: int) -> None:
     """A rollout rank's life: start its part of an engine (vllm_engine.make_sampler), then run trainer 0's commands
     until "stop": collect a step's batch for the trainer ranks it plays (the script's `generate` samples), load
     weights, generate for an evaluation. Exits the process at the end."""
-    world = rr.world()
-    rank, on_gpu = dist.get_rank(), world.device.type == "cuda"
-    T, K, tp = world.trainers, world.rollouts, args.vllm_tensor_parallel_size
+    rank, on_gpu = dist.get_rank(), launch.device.type == "cuda"
+    T, K, tp = launch.trainers, launch.rollouts, args.vllm_tensor_parallel_size
     played = list(range(rank, T, K))  # trainer ranks whose batches this rank generates and sends
-    engine = make_sampler(args, rank, on_gpu)
-    group = tensor_parallel_group(tp)  # the rollout ranks sharing this rank's engine
-    stop = StopSignal()
-    sender, consumed = _Sender(), 0
+    engine = make_sampler(args, rank, on_gpu, None, launch)
+    group = tensor_parallel_group(tp, launch)  # the rollout ranks sharing this rank's engine
+    stop = StopSignal(launch)
+    sender, consumed = _Sender(launch), 0
 
     def sample(prompts, seeds):
         return generate(args, engine, None, tokenizer, prompts, seeds, args.group_size, False, group)
 
     while True:
         try:
-            kind, payload = rr.broadcast(None, world.link)
+            kind, payload = broadcast(None, launch.link)
         except RuntimeError as e:
-            _say_once(rr.failed("trainer rank 0", e).code)
+            _say_once(launch.failed("trainer rank 0", e).code)
             raise SystemExit(1)
         if kind == "stop":
             break
@@ -81,9 +80,9 @@ def serve(args, generate, tokenizer, train_data: list, grading_workers: int) -> 
             for r in played:
                 sender.queue.put((r, ("batch", parts[r], stop.requested)))
         elif kind == "weights":  # (name, shape, dtype) then the tensor, until None
-            while (header := rr.broadcast(None, world.link)) is not None:
+            while (header := broadcast(None, launch.link)) is not None:
                 name, shape, dtype = header
-                tensor = rr.broadcast(None, world.weights, torch.empty(shape, dtype=dtype, device=world.device))
+                tensor = broadcast(None, launch.weights, torch.empty(shape, dtype=dtype, device=launch.device))
                 engine.apply_model(lambda model: model.load_weights([(name, tensor)]))  # noqa: B023 (called at once)
             engine.reset_prefix_cache()
         elif kind == "generate":  # evaluation: each trainer's requests, on the engine of the rank that plays it
@@ -97,5 +96,5 @@ def serve(args, generate, tokenizer, train_data: list, grading_workers: int) -> 
                     sender.queue.put((r, ("outputs", outputs[first : first + n], stop.requested)))
                 first += n
     sender.close()
-    shutdown(engine)
+    shutdown(engine, launch)
     raise SystemExit(0)

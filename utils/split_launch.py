@@ -2,17 +2,18 @@
 overlapped with training by --max-staleness s (verl's one-step-off-policy at s = 1, AReaL's bound at s >= 2). Knows
 no method. Written for GPUs from the torch.distributed, DeepSpeed and vLLM sources; run on CPUs only (gloo).
 
-The launch's world is split at start (split_world): the trainers get a torch.distributed world of their own (DeepSpeed
-sees nothing else), the rollout ranks another (their vLLM engines, external launcher, tensor-parallel groups inside
-it), and two process groups join them: `link` (trainer 0 and the rollout ranks: trainer 0's commands, and the weights
-one parameter at a time, over NCCL on GPUs) and `bridge` (every process, gloo: each rollout rank sends the trainer
-ranks it generates for their batches and evaluation samples, from a sender thread).
+The launch's world is split at start (SplitLaunch, made once and held by the script): the trainers get a
+torch.distributed world of their own (DeepSpeed sees nothing else), the rollout ranks another (their vLLM engines,
+external launcher, tensor-parallel groups inside it), and two process groups join them: `link` (trainer 0 and the
+rollout ranks: trainer 0's commands, and the weights one parameter at a time, over NCCL on GPUs) and `bridge` (every
+process, gloo: each rollout rank sends the trainer ranks it generates for their batches and evaluation samples, from a
+sender thread).
 
 On the trainers the scripts' sampler is an Engine, a stand-in for vLLM's LLM (generate, apply_model,
 reset_prefix_cache: the scripts' generate, push_weights and evaluate run unchanged), and rollouts.collect returns the
-batch the rollout ranks collected for the step (receive). The rollout ranks run utils/rollout_server.py's `serve`:
+batch the rollout ranks collected for the step (receive). The rollout ranks run utils/generation_server.py's `serve`:
 rollouts.collect_for itself (generation, grading, dynamic sampling) for the trainer ranks each plays (r % K), the
-commands in trainer 0's order. This module imports nothing from utils/: the modules above it use it.
+commands in trainer 0's order. This module imports nothing from utils/ and keeps no module-level state.
 
 Staleness, exactly: the batch trained at step t is collected after the weights of step t - s (the policy after t - s
 updates) have replaced the previous ones and before the next: trainer 0 sends collect(t + s) at the start of step t,
@@ -34,13 +35,26 @@ import torch.distributed as dist
 LINK_TIMEOUT = timedelta(hours=2)
 """How long a process waits for the other side (a batch, a command) before it fails: a long generation's time."""
 
-_world = None  # this process's split_world: role, ranks and the two groups
-_engine = None  # the trainers' Engine
 
+class SplitLaunch:
+    """This process's place in the launch, made once by distributed.init_distributed and held by the script, which
+    passes it where the split matters: the sampler (vllm_engine.make_sampler: an Engine on a trainer), the step's batch
+    (rollouts.collect), the batches in flight (checkpoints: save, restore), the stop signal and the end (close).
+    `rollouts` 0: nothing split (colocated engines), every process trains. Else the first processes of the launch
+    train, the last `rollouts` only generate (`serving`), each side in a torch.distributed world of its own."""
 
-class _World:
-    def __init__(self, rank: int, size: int, rollouts: int, backend: str, device):
-        self.trainers, self.rollouts, self.global_rank = size - rollouts, rollouts, rank
+    def __init__(self, rollouts: int = 0, backend: str = "", device=None):
+        self.rollouts, self.serving, self.device = rollouts, False, device
+        self.bridge = self.link = self.weights = self.engine = None  # the groups between the worlds; the Engine
+        self.in_flight = []  # the batches in flight of the checkpoint resumed, for the Engine
+        if not rollouts:
+            return
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if not 0 < rollouts < size:
+            raise SystemExit(
+                f"error: --rollout-ranks ({rollouts}) must leave at least one of the {size} processes to train"
+            )
+        self.trainers, self.global_rank = size - rollouts, rank
         self.serving = rank >= self.trainers  # a rollout rank
         self.rollout_peer = f"rollout rank {self.trainers}" if rollouts == 1 else "a rollout rank"
         host = rank == 0 and not os.environ.get("TORCHELASTIC_USE_AGENT_STORE")  # torchrun's agent hosts one
@@ -53,8 +67,7 @@ class _World:
         os.environ.update(RANK=str(sub_rank), WORLD_SIZE=str(sub_size))  # vLLM's external launcher reads them
         dist.init_process_group(backend, store=dist.PrefixStore(world, store), rank=sub_rank, world_size=sub_size)
         self.bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), rank, size, LINK_TIMEOUT)
-        self.device, self.link, self.weights = device, None, None  # the other trainers have no link
-        if self.serving or rank == 0:  # link rank 0: trainer 0
+        if self.serving or rank == 0:  # link rank 0: trainer 0; the other trainers have no link
             link_rank = rank - self.trainers + 1 if self.serving else 0
             link_store = dist.PrefixStore("link", store)
             self.link = dist.ProcessGroupGloo(link_store, link_rank, rollouts + 1, LINK_TIMEOUT)
@@ -65,61 +78,55 @@ class _World:
                 nccl_store = dist.PrefixStore("weights", store)
                 self.weights = dist.ProcessGroupNCCL(nccl_store, link_rank, rollouts + 1, options)
 
+    @property
+    def trains(self) -> bool:
+        """Whether this process is a trainer beside rollout ranks."""
+        return self.rollouts > 0 and not self.serving
 
-def split_world(rollouts: int, backend: str, device) -> int:
-    """Before anything else uses torch.distributed: the launch's processes (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT) become two worlds, the first ones the trainers', the last `rollouts` the rollout ranks'; returns the
-    number of trainers."""
-    global _world
-    size = int(os.environ["WORLD_SIZE"])
-    if not 0 < rollouts < size:
-        raise SystemExit(
-            f"error: --rollout-ranks ({rollouts}) must leave at least one of the {size} processes to train"
-        )
-    _world = _World(int(os.environ["RANK"]), size, rollouts, backend, device)
-    return _world.trainers
+    def make_engine(self, args) -> "Engine":
+        """A trainer's stand-in for vLLM's LLM (vllm_engine.make_sampler)."""
+        self.engine = Engine(args, self)
+        return self.engine
 
+    def stop_requested(self) -> bool:
+        """A rollout rank got a stop signal (it tells the trainers with each batch; they stop as after their own)."""
+        return self.engine is not None and self.engine.stop
 
-def close() -> None:
-    """The end of a run, on every process of the launch (lifecycle.shutdown): `link` and `bridge` shut down and dropped
-    now, their gloo worker threads joined. A worker drops its last collective's tensors after the caller has moved on,
-    which takes the GIL; left alive into the interpreter's exit, it can still be waiting for the GIL when finalization
-    begins, which ends the thread inside a noexcept destructor: std::terminate, SIGABRT after a complete run."""
-    if _world is None:
-        return
-    for group in {_world.bridge, _world.link, _world.weights} - {None}:  # the weights' group is link's on CPUs
-        group.shutdown()
-    _world.bridge = _world.link = _world.weights = None  # the last references: ~ProcessGroupGloo joins its threads
+    def receive(self, consumed: int):
+        """This trainer's batch of the step (rollouts.collect beside rollout ranks)."""
+        return self.engine.receive(consumed)
 
+    def save_in_flight(self, directory: str) -> None:
+        """Into a checkpoint being written (utils/checkpoints.py): this trainer's batches in flight."""
+        if self.engine is not None:
+            self.engine.save(directory)
 
-def world() -> "_World":
-    """This process's split world (split_world): its role, the ranks, the `link`, `bridge` and weights groups."""
-    return _world
+    def restore(self, checkpoint: dict, rank: int) -> None:
+        """On resume (utils/checkpoints.py): this trainer's batches in flight at the checkpoint."""
+        if checkpoint["args"].get("rollout_ranks") and checkpoint["args"].get("max_staleness"):
+            path = os.path.join(checkpoint["path"], f"rollouts_rank{rank}.pt")
+            if not os.path.exists(path):
+                raise SystemExit(f"error: {checkpoint['path']} lacks {os.path.basename(path)}, its batches in flight")
+            self.in_flight = torch.load(path, weights_only=False)
 
+    def failed(self, peer: str, error: Exception) -> SystemExit:
+        """The one line of a process whose peer is gone."""
+        return SystemExit(f"error: {peer} stopped ({reason(error)}); rank {self.global_rank} of the launch stops too")
 
-def serving() -> bool:
-    """Whether this process is a rollout rank (it then only runs `serve`)."""
-    return _world is not None and _world.serving
-
-
-def trains() -> bool:
-    """Whether this process is a trainer beside rollout ranks."""
-    return _world is not None and not _world.serving
-
-
-def stop_requested() -> bool:
-    """A rollout rank got a stop signal (it tells the trainers with each batch; they stop as after their own)."""
-    return _engine is not None and _engine.stop
+    def close(self) -> None:
+        """The end of a run, on every process of the launch (lifecycle.shutdown): `link` and `bridge` shut down and
+        dropped now, their gloo worker threads joined. A worker drops its last collective's tensors after the caller
+        has moved on, which takes the GIL; left alive into the interpreter's exit, it can still be waiting for the GIL
+        when finalization begins, which ends the thread inside a noexcept destructor: std::terminate, SIGABRT after a
+        complete run."""
+        for group in {self.bridge, self.link, self.weights} - {None}:  # the weights' group is link's on CPUs
+            group.shutdown()
+        self.bridge = self.link = self.weights = None  # the last references: ~ProcessGroupGloo joins its threads
 
 
 def reason(error: Exception) -> str:
     """gloo's reason for a failed send or collective, without its source location and advice."""
     return str(error).splitlines()[0].split("] ")[-1].split(". ")[0] if str(error) else type(error).__name__
-
-
-def failed(peer: str, error: Exception) -> SystemExit:
-    """The one line of a process whose peer is gone."""
-    return SystemExit(f"error: {peer} stopped ({reason(error)}); rank {_world.global_rank} of the launch stops too")
 
 
 def send(obj, dst: int, group) -> None:
@@ -157,32 +164,30 @@ class Engine:
     A resumed run's batches in flight come from its checkpoint (restore).
     """
 
-    def __init__(self, args):
-        global _engine
-        _engine = self
-        self.s, self.rank, self.stop, self.pushing = args.max_staleness, dist.get_rank(), False, False
-        self.source = _world.trainers + self.rank % _world.rollouts  # the bridge rank that sends to this rank
-        self.ready = deque(_restored)  # batches received for the next steps, in step order
+    def __init__(self, args, launch: SplitLaunch):
+        self.launch, self.s, self.rank = launch, args.max_staleness, dist.get_rank()
+        self.stop, self.pushing = False, False
+        self.source = launch.trainers + self.rank % launch.rollouts  # the bridge rank that sends to this rank
+        self.ready = deque(launch.in_flight)  # batches received for the next steps, in step order
         self.received, self.issued = 0, len(self.ready)  # steps received, and collected or asked for, since start
 
     def _command(self, kind: str, payload=None) -> None:
         if self.rank == 0:
             self._link((kind, payload))
 
-    @staticmethod
-    def _link(obj, tensor=None) -> None:
+    def _link(self, obj, tensor=None) -> None:
         """Trainer 0 to every rollout rank: an object over `link`, or a tensor over the weights' group."""
         try:
-            broadcast(obj, _world.link if tensor is None else _world.weights, tensor)
+            broadcast(obj, self.launch.link if tensor is None else self.launch.weights, tensor)
         except RuntimeError as e:
-            raise failed(_world.rollout_peer, e)
+            raise self.launch.failed(self.launch.rollout_peer, e)
 
     def _take(self):
         """The next message from this rank's rollout rank: a batch goes into `ready`; outputs are returned."""
         try:
-            kind, payload, stop = recv(self.source, _world.bridge)
+            kind, payload, stop = recv(self.source, self.launch.bridge)
         except RuntimeError as e:
-            raise failed(f"rollout rank {self.source}", e)
+            raise self.launch.failed(f"rollout rank {self.source}", e)
         self.stop = self.stop or stop
         if kind == "batch":
             self.ready.append(payload)
@@ -243,25 +248,3 @@ class Engine:
 
     def close(self) -> None:
         self._command("stop")
-
-
-def receive(consumed: int):
-    """This trainer's batch of the step (rollouts.collect with --rollout-ranks)."""
-    return _engine.receive(consumed)
-
-
-_restored = []  # the batches in flight of the checkpoint resumed, for the Engine
-
-
-def save_in_flight(directory: str) -> None:
-    """Into a checkpoint being written (utils/checkpoints.py): this trainer's batches in flight."""
-    _engine.save(directory)
-
-
-def restore(checkpoint: dict, rank: int) -> None:
-    """On resume (utils/checkpoints.py): this trainer's batches in flight at the checkpoint."""
-    if checkpoint["args"].get("rollout_ranks") and checkpoint["args"].get("max_staleness"):
-        path = os.path.join(checkpoint["path"], f"rollouts_rank{rank}.pt")
-        if not os.path.exists(path):
-            raise SystemExit(f"error: {checkpoint['path']} lacks {os.path.basename(path)}, its batches in flight")
-        _restored[:] = torch.load(path, weights_only=False)
