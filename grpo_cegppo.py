@@ -626,5 +626,5 @@ if __name__ == "__main__":
         if stopping:
             break
 
-    lifecycle.finish(policy, tokenizer, run_dir, args, rank, tracker, stopped_at=step + 1 if stopping else None)
+    lifecycle.finish(policy, tokenizer, run_dir, rank, tracker, stopped_at=step + 1 if stopping else None)
     lifecycle.shutdown(sampler, launch)  # the engine first, then the process groups

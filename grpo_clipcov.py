@@ -27,7 +27,7 @@ from utils import batching, checkpoints, distributed, lifecycle, models, ops, ro
 from utils.checks import check_args
 from utils.data import check_model, eval_prompts, load_tokenizer, tokenized_prompts
 from utils.generation_server import serve
-from utils.logprobs import response_logprobs
+from utils.logprobs import current_logprobs, response_logprobs
 from utils.resume import open_run
 from utils.reward import default_grading_workers
 from utils.vllm_engine import make_sampler, push_weights
@@ -556,8 +556,7 @@ if __name__ == "__main__":
                 generator = selection_generator(args, step, epoch, m, rank)  # Clip-Cov: this mini-batch's draw
                 if args.cov_scope == "global":  # one selection over the mini-batch of all ranks, before its updates
                     t1 = time.time()
-                    with torch.no_grad():  # the current log-probs; before the first update, the sampling ones
-                        current = [old_logps[i] if epoch == m == 0 else logprobs(policy, batches[i])[0] for i in mb]
+                    current = current_logprobs(logprobs, policy, batches, mb, old_logps, bool(epoch or m))
                     mb_cov, mb_selected = clip_cov_global_selection(current, old_logps, batches, mb, args, generator)
                     selection_time += time.time() - t1
                 for i in mb:
@@ -642,5 +641,5 @@ if __name__ == "__main__":
         if stopping:
             break
 
-    lifecycle.finish(policy, tokenizer, run_dir, args, rank, tracker, stopped_at=step + 1 if stopping else None)
+    lifecycle.finish(policy, tokenizer, run_dir, rank, tracker, stopped_at=step + 1 if stopping else None)
     lifecycle.shutdown(sampler, launch)  # the engine first, then the process groups

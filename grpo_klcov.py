@@ -27,7 +27,7 @@ from utils import batching, checkpoints, distributed, lifecycle, models, ops, ro
 from utils.checks import check_args
 from utils.data import check_model, eval_prompts, load_tokenizer, tokenized_prompts
 from utils.generation_server import serve
-from utils.logprobs import response_logprobs
+from utils.logprobs import current_logprobs, response_logprobs
 from utils.resume import open_run
 from utils.reward import default_grading_workers
 from utils.vllm_engine import make_sampler, push_weights
@@ -545,12 +545,10 @@ if __name__ == "__main__":
                 )
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
                 selector.start(mb, entropies, bool(epoch or m), (logprobs, policy, batches))  # 80/20 rule, global scope
-                if (
-                    args.cov_scope == "global"
-                ):  # KL-Cov: one selection over the mini-batch of all ranks, before its updates
+                # KL-Cov: one selection over the mini-batch of all ranks, before its updates
+                if args.cov_scope == "global":
                     t1 = time.time()
-                    with torch.no_grad():  # the current log-probs; before the first update, the sampling ones
-                        current = [old_logps[i] if epoch == m == 0 else logprobs(policy, batches[i])[0] for i in mb]
+                    current = current_logprobs(logprobs, policy, batches, mb, old_logps, bool(epoch or m))
                     mb_cov, mb_selected = kl_cov_global_selection(current, batches, mb, args.kl_cov_ratio)
                     selection_time += time.time() - t1
                 for i in mb:
@@ -634,5 +632,5 @@ if __name__ == "__main__":
         if stopping:
             break
 
-    lifecycle.finish(policy, tokenizer, run_dir, args, rank, tracker, stopped_at=step + 1 if stopping else None)
+    lifecycle.finish(policy, tokenizer, run_dir, rank, tracker, stopped_at=step + 1 if stopping else None)
     lifecycle.shutdown(sampler, launch)  # the engine first, then the process groups

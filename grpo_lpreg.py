@@ -31,7 +31,7 @@ from utils import batching, checkpoints, distributed, lifecycle, models, ops, ro
 from utils.checks import check_args
 from utils.data import check_model, eval_prompts, load_tokenizer, tokenized_prompts
 from utils.generation_server import serve
-from utils.logprobs import response_logprobs
+from utils.logprobs import current_logprobs, response_logprobs
 from utils.resume import open_run
 from utils.reward import default_grading_workers
 from utils.vllm_engine import make_sampler, push_weights
@@ -556,8 +556,7 @@ if __name__ == "__main__":
                 )
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
                 if args.lpreg_scope == "global":  # Lp-Reg: one selection over the mini-batch of all ranks, first
-                    with torch.no_grad():  # the current log-probs; before the first update, the sampling ones
-                        current = [old_logps[i] if epoch == m == 0 else logprobs(policy, batches[i])[0] for i in mb]
+                    current = current_logprobs(logprobs, policy, batches, mb, old_logps, bool(epoch or m))
                     mb_selected = lpreg_global_selection(current, proxies, batches, mb, args.lpreg_rho)
                 selector.start(mb, entropies, bool(epoch or m), (logprobs, policy, batches))  # 80/20 rule, global scope
                 for i in mb:
@@ -641,5 +640,5 @@ if __name__ == "__main__":
         if stopping:
             break
 
-    lifecycle.finish(policy, tokenizer, run_dir, args, rank, tracker, stopped_at=step + 1 if stopping else None)
+    lifecycle.finish(policy, tokenizer, run_dir, rank, tracker, stopped_at=step + 1 if stopping else None)
     lifecycle.shutdown(sampler, launch)  # the engine first, then the process groups

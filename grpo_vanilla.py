@@ -5,8 +5,8 @@ The baseline of the entropy methods (Shao et al. 2024, arXiv 2402.03300), as ver
 2. Per-token PPO-clip loss on the ratio to the sampling policy, averaged over the optimizer mini-batch of all ranks
    (--loss-agg): the update depends neither on the micro-batch size nor on the number of GPUs.
 3. No value model; a k3 KL to the initial policy only with --kl-coef > 0.
-grpo_aent.py, grpo_klcov.py, grpo_clipcov.py, grpo_entadv.py, grpo_cispo.py, grpo_cegppo.py and grpo_lpreg.py are this
-file plus their method: `diff` them.
+grpo_aent.py, grpo_klcov.py, grpo_clipcov.py, grpo_entadv.py, grpo_cispo.py, grpo_cegppo.py, grpo_lpreg.py,
+grpo_sapo.py, grpo_gspo.py and grpo_wreinforce.py are this file plus their method: `diff` them.
 
     deepspeed --num_gpus 8 grpo_vanilla.py --model-name-or-path Qwen/Qwen2.5-Math-1.5B --dataset <train file>
 """
@@ -544,5 +544,5 @@ if __name__ == "__main__":
         if stopping:
             break
 
-    lifecycle.finish(policy, tokenizer, run_dir, args, rank, tracker, stopped_at=step + 1 if stopping else None)
+    lifecycle.finish(policy, tokenizer, run_dir, rank, tracker, stopped_at=step + 1 if stopping else None)
     lifecycle.shutdown(sampler, launch)  # the engine first, then the process groups

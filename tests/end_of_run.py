@@ -25,4 +25,4 @@ llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(shu
 if launch.serving:  # until trainer 0's stop, then exits
     generation_server.make_sampler = lambda *a: llm
     generation_server.serve(launch, args, None, None, [], 1)
-lifecycle.shutdown(launch.make_engine(args), launch)  # the trainers
+lifecycle.shutdown(launch.make_engine(args.max_staleness), launch)  # the trainers

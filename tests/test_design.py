@@ -70,6 +70,27 @@ CHANGED = {
         "validate_args": ["check_args(args, world_size, method_checks=[])"],
         "__main__": ["logp, entropy, _ = logprobs(policy, batch, with_entropy=True)"],
     },
+    "grpo_sapo.py": {
+        "Args": ['loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"'],
+        "validate_args": ["check_args(args, world_size, method_checks=[])"],
+        "__main__": ["token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)"],
+    },
+    "grpo_gspo.py": {
+        "Args": [
+            "clip_eps_low: float = 0.2",
+            '"""PPO lower clip: ratio >= 1 - eps_low"""',
+            "clip_eps_high: float = 0.2",
+            '"""PPO upper clip: ratio <= 1 + eps_high (DAPO\'s clip-higher: 0.28)"""',
+            'loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"',
+        ],
+        "validate_args": ["check_args(args, world_size, method_checks=[])"],
+        "__main__": ["token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)"],
+    },
+    "grpo_wreinforce.py": {
+        "Args": [],
+        "validate_args": ["check_args(args, world_size, method_checks=[])"],
+        "__main__": ["advantages = group_advantages(rewards, args.scale_rewards).flatten()"],
+    },
 }
 # a method file not listed above (a user's own): its Args and validate_args may only add lines (the flags, the
 # method's checks before check_args); its main loop is not checked line by line (None)
@@ -254,6 +275,9 @@ METHOD_CONDITIONALS = {
     "grpo_cegppo.py": 2,  # the SFT term: its mask, its loss
     "grpo_cispo.py": 0,
     "grpo_entadv.py": 0,
+    "grpo_sapo.py": 0,
+    "grpo_gspo.py": 0,
+    "grpo_wreinforce.py": 1,  # the authors' entropy bonus (off by default)
 }
 
 

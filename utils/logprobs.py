@@ -74,6 +74,14 @@ def chunked_logprobs_entropy(
     return tuple(torch.cat(values) for values in zip(*outputs))
 
 
+def current_logprobs(logprobs, policy, batches: list, mb, old_logps: list, updated: bool) -> list:
+    """The policy's log-probs of the micro-batches `mb` without gradient, for a selection made before an update:
+    before the step's first update (`updated` False) the sampling policy's, which the log-prob pass has (`old_logps`);
+    after it a forward of each (`logprobs`: the script's log-prob function)."""
+    with torch.no_grad():
+        return [logprobs(policy, batches[i])[0] if updated else old_logps[i] for i in mb]
+
+
 def response_logprobs(model, batch, temperature, chunk_size, with_entropy, num_chunks=None, extra=None):
     """Per-token log-probs, entropies and extra values of the response tokens of a collated batch, in order."""
     inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids") if key in batch}

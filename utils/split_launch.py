@@ -83,9 +83,9 @@ class SplitLaunch:
         """Whether this process is a trainer beside rollout ranks."""
         return self.rollouts > 0 and not self.serving
 
-    def make_engine(self, args) -> "Engine":
-        """A trainer's stand-in for vLLM's LLM (vllm_engine.make_sampler)."""
-        self.engine = Engine(args, self)
+    def make_engine(self, staleness: int) -> "Engine":
+        """A trainer's stand-in for vLLM's LLM (vllm_engine.make_sampler), --max-staleness `staleness` steps ahead."""
+        self.engine = Engine(staleness, self)
         return self.engine
 
     def stop_requested(self) -> bool:
@@ -164,8 +164,8 @@ class Engine:
     A resumed run's batches in flight come from its checkpoint (restore).
     """
 
-    def __init__(self, args, launch: SplitLaunch):
-        self.launch, self.s, self.rank = launch, args.max_staleness, dist.get_rank()
+    def __init__(self, staleness: int, launch: SplitLaunch):
+        self.launch, self.s, self.rank = launch, staleness, dist.get_rank()
         self.stop, self.pushing = False, False
         self.source = launch.trainers + self.rank % launch.rollouts  # the bridge rank that sends to this rank
         self.ready = deque(launch.in_flight)  # batches received for the next steps, in step order

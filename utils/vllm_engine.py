@@ -114,7 +114,7 @@ def make_sampler(args, rank: int, on_gpu: bool, policy, launch):
     --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks).
     `launch` (utils/split_launch.py): on a trainer beside rollout ranks, which run the engines, a stand-in for them."""
     if launch.trains:
-        return launch.make_engine(args)
+        return launch.make_engine(args.max_staleness)
     LLM = import_vllm()
     check_vllm_memory(args, on_gpu, policy)  # its budget is free now, with room for the training state: or why not
     if not on_gpu:

@@ -25,6 +25,9 @@
 #   TESTBED=fork METHODS="grpo_vanilla grpo_aent grpo_klcov grpo_clipcov grpo_entadv grpo_cispo grpo_cegppo \
 #     grpo_lpreg grpo_vanilla_top20" OUT=runs/testbed_fork RESULTS=benchmarks/results/testbed/fork \
 #     bash benchmarks/reproduce/testbed.sh                      # every method on the fork testbed (below)
+#   METHODS="grpo_vanilla grpo_sapo grpo_gspo grpo_wreinforce" OUT=runs/testbed_variants \
+#     RESULTS=benchmarks/results/testbed/variants bash benchmarks/reproduce/testbed.sh   # SAPO, GSPO, W-REINFORCE
+#   (and with TESTBED=fork, RESULTS=benchmarks/results/testbed/fork_variants: on the fork testbed)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -138,6 +141,10 @@ method_flags() {
     # per token, and its high-entropy tokens (where it is larger than a few % of |A|) have entropies near a 1.5B
     # model's (0.3-1 nats); the cap |A| / kappa is relative to the advantage, which is normalised the same way here
     grpo_entadv) echo "--entadv-alpha 0.4 --entadv-kappa 2" ;;
+    # the loss variants at their published values, unscaled: SAPO's temperatures (1.0 / 1.05) and GSPO's clip (3e-4 /
+    # 4e-4) act on ratios, W-REINFORCE's lambda (0.1) on a 0/1 reward; SAPO and GSPO weigh every sequence the same
+    # (their --loss-agg seq-mean-token-mean, vanilla's token-mean), as their references do
+    grpo_sapo|grpo_gspo|grpo_wreinforce) echo "" ;;
     # one-step-off-policy (--rollout-ranks 1: one trainer, one rollout rank, so 2 processes a run): step t trains on
     # samples of the policy after step t - 1, weighted by min(pi_old / pi_sampler, 2) (the decoupled loss's behaviour
     # correction: at s = 0 the weights are 1 to ~4e-7 here, so the synchronous runs' --vllm-is-cap 0 changes nothing)

@@ -1,0 +1,570 @@
+"""W-REINFORCE: GRPO whose advantages are fixed weights: lambda for a correct response, -1 for a wrong one.
+
+Zhu et al. 2025, "The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning" (arXiv 2506.01347), as the
+authors' code (github.com/TianHongZXY/RLVR-Decomposed, adv_estimator psr_nsr, advantage "weighted") computes it. What
+changes relative to grpo_vanilla.py:
+1. A = lambda r - (1 - r) for the 0/1 reward r: lambda = 0.1 (the paper) up-weights a correct response a tenth as much
+   as a wrong one is pushed down; no group baseline, no std (--scale-rewards unused). The paper's claim: the negative
+   samples keep the entropy and pass@k that positive reinforcement narrows. A shaped reward maps linearly.
+2. The loss is vanilla's PPO-clip (theirs: eps 0.2, a token mean, 4 mini-batches per rollout); no KL.
+3. --wr-entropy-coef: the entropy bonus of the authors' config (0.001, which their scripts keep); 0: the paper's.
+   Their PSR and NSR (positive or negative samples only) drop the other rows from the batch: not here.
+
+    deepspeed --num_gpus 8 grpo_wreinforce.py --model-name-or-path Qwen/Qwen2.5-Math-1.5B --dataset <train file>
+"""
+
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from tqdm import tqdm
+
+from utils import batching, checkpoints, distributed, lifecycle, models, ops, rollouts, tracking
+from utils.checks import check_args
+from utils.data import check_model, eval_prompts, load_tokenizer, tokenized_prompts
+from utils.generation_server import serve
+from utils.logprobs import response_logprobs
+from utils.resume import open_run
+from utils.reward import default_grading_workers
+from utils.vllm_engine import make_sampler, push_weights
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    track: bool = False
+    """if toggled, this experiment will be tracked with Weights and Biases"""
+    wandb_project_name: str = "grpo-entropy"
+    """the wandb's project name"""
+    wandb_entity: str | None = None
+    """the entity (team) of wandb's project"""
+    wandb_group: str | None = None
+    """the wandb run group (default: exp_name, i.e. the method)"""
+    wandb_tags: tuple[str, ...] = ()
+    """extra wandb tags, next to the method, the git commit and the comma-separated $WANDB_TAGS"""
+    output_dir: str = "runs"
+    """runs/<run_name>/ receives metrics.jsonl, args.json, checkpoints/ and final/"""
+    local_rank: int = -1
+    """set by the deepspeed launcher; the rank is read from the environment"""
+
+    # Model and data
+    model_name_or_path: str = "Qwen/Qwen2.5-Math-1.5B"
+    """the policy to train: a hub id or a local HF directory"""
+    attn_implementation: str = "sdpa"
+    """the policy's attention in transformers: sdpa, eager, or flash_attention_2 (GPUs, with flash-attn installed)"""
+    dataset: str = "DigitalLearningGmbH/MATH-lighteval"
+    """training prompts: a hub id or a local .jsonl/.json/.parquet file (default: MATH's 7,500 training problems)"""
+    dataset_split: str | None = None
+    """split of a hub dataset (default: train)"""
+    question_field: str | None = None
+    """column holding the problem (default: auto-detect problem/question)"""
+    answer_field: str | None = None
+    """column holding the reference answer (default: auto-detect answer/final_answer/solution's \\boxed{})"""
+    eval_dataset: tuple[str, ...] = ()
+    """held-out prompts for periodic evaluation: hub ids or local files, each a set (or one per data_source its rows
+    name), logged as eval/<set>/... and their mean as eval/...; off when empty"""
+    eval_every: int = 10
+    """evaluate every this many steps (and after the last one); 0 disables"""
+    eval_num_prompts: int = 500
+    """evaluate on at most this many prompts of each held-out set"""
+    eval_samples: int = 0
+    """also sample this many responses per eval prompt at the training temperature (eval/mean_acc, pass@k, entropy)"""
+    max_prompt_length: int = 1024
+    """prompts longer than this (in tokens) are dropped and counted, never truncated"""
+    max_response_length: int = 3072
+    """maximum number of generated tokens per response"""
+
+    # Rollouts
+    total_steps: int = 500
+    """number of training steps (each: one rollout batch, then its optimizer updates)"""
+    num_prompts_per_step: int = 128
+    """prompts per step, over all ranks"""
+    group_size: int = 8
+    """responses sampled per prompt (G)"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs and entropies are computed at this temperature"""
+    top_p: float = 1.0
+    """nucleus sampling: must be 1 (checked), the loss's log-probs and entropy are of the full softmax"""
+    grading_workers: int = 0
+    """reward-grading processes (0: this rank's share of the node's cores; 1: serial, in the training process)"""
+    use_vllm: bool = True
+    """generate with a colocated vLLM engine in every rank; `--no-use-vllm` uses HF generate"""
+    vllm_gpu_memory_utilization: float = 0.5
+    """fraction of GPU memory vLLM may take (weights + KV cache); it must be free when the engine starts"""
+    vllm_kv_cache_memory: float = 0.0
+    """GiB of KV cache per rank, instead of what the fraction above leaves (vLLM's kv_cache_memory_bytes; on a GPU the
+    fraction must still be free at start); 0: vLLM's sizing. On a CPU it replaces VLLM_CPU_KVCACHE_SPACE (whole GiB)"""
+    vllm_sleep_level: int = 2
+    """GPU only: put the engine to sleep during training (0: never, 1: offload weights to host memory and back every
+    step, 2: discard them: every parameter is pushed anew, and vLLM 0.33 saves and restores the model's buffers)"""
+    vllm_tensor_parallel_size: int = 1
+    """ranks per vLLM engine: each group of this many consecutive ranks shares one tensor-parallel engine"""
+    rollout_ranks: int = 0
+    """the last this many processes only generate, the others train (utils/split_launch.py); 0: colocated engines"""
+    max_staleness: int = 0
+    """--rollout-ranks: each step trains on samples of the policy s updates behind (0: no overlap; 1: one-step-off)"""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling (arXiv 2503.14476; verl's algorithm.filter_groups): groups whose metric does not vary
+    are dropped and more prompts generated until --num-prompts-per-step groups remain (utils/rollouts.py)"""
+    filter_groups_metric: Literal["acc", "reward"] = "acc"
+    """what must vary within a group: acc, the grader's verdict; reward, with the overlong penalty"""
+    max_gen_batches: int = 10
+    """at most this many generation rounds per step (0: no limit); then, where verl stops with an error, the first
+    dropped groups fill the step (zero advantage: plain GRPO's step) with a warning; rollout/filled_groups: how many"""
+    overlong_buffer_len: int = 0
+    """DAPO's overlong shaping: the reward falls linearly by up to --overlong-penalty-factor over the last this many
+    response tokens (verl's overlong_buffer.len; DAPO: 4096 of 20480); 0: off"""
+    overlong_penalty_factor: float = 1.0
+    """the overlong penalty at --max-response-length (verl's penalty_factor 1 on DAPO's +-1 rewards; ours are 1 / 0:
+    0.5 gives DAPO's advantages)"""
+
+    # Optimisation
+    learning_rate: float = 1e-6
+    """the learning rate of the optimizer"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """decay after warm-up, over total_steps"""
+    warmup_steps: int = 0
+    """linear learning-rate warm-up, in training steps"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """the maximum norm for gradient clipping"""
+    max_bad_steps: int = 3
+    """abort after this many consecutive steps with a non-finite gradient (DeepSpeed skips them on every rank)"""
+    num_mini_batches: int = 4
+    """optimizer updates per rollout batch and epoch (the batch is split into this many mini-batches)"""
+    num_epochs: int = 1
+    """passes over each rollout batch"""
+    micro_batch_size: int = 4
+    """sequences per forward/backward on each rank (gradient accumulation fills the mini-batch)"""
+    max_tokens_per_micro_batch: int = 0
+    """instead of --micro-batch-size: micro-batches of at most this many tokens (prompt + response), as few as each
+    rank's share of a mini-batch needs and as many on every rank; 0: --micro-batch-size sequences each"""
+    padding_free: bool = False
+    """each micro-batch's sequences in one row without padding, positions restarting per sequence (attention stays
+    within each: flash-attention-2's varlen kernel, or a block-causal mask with sdpa/eager)"""
+    clip_eps_low: float = 0.2
+    """PPO lower clip: ratio >= 1 - eps_low"""
+    clip_eps_high: float = 0.2
+    """PPO upper clip: ratio <= 1 + eps_high (DAPO's clip-higher: 0.28)"""
+    clip_ratio_c: float = 0.0
+    """dual clip: where A < 0 the loss is at most -A c (verl's clip_ratio_c, its default 3); 0: PPO's clip alone"""
+    vllm_is_cap: float = 2.0
+    """truncated importance sampling: each token's loss times min(pi_old / pi_vllm, C) against the sampler's numerical
+    disagreement with the trainer (bf16 kernels); 0 disables. verl: off by default; TRL 1.16: on by default, but as a
+    sequence-level mask at C = 3 (its vllm_importance_sampling_mode "sequence_mask"; its "token_truncate" is this)"""
+    kl_coef: float = 0.0
+    """coefficient of the k3 KL to the initial policy; 0 (default) does not load a reference model"""
+    scale_rewards: bool = True
+    """divide advantages by the group's reward std (GRPO); `--no-scale-rewards` is Dr. GRPO"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """how per-token losses are averaged over the optimizer mini-batch (all ranks together)"""
+    top_entropy_quantile: float = 1.0
+    """80/20 rule (Wang et al. 2025, arXiv 2506.01939): only tokens whose entropy is at or above the (1 - rho) quantile
+    keep their policy-gradient term (a method's own loss terms too; the reference KL stays on every token); 1: off
+    (paper: 0.2)"""
+    entropy_mask_scope: Literal["global", "microbatch"] = "global"
+    """global (ours): one threshold per optimizer mini-batch over its tokens on all ranks, whatever the micro-batches,
+    packing and world size; microbatch: TRL 1.16's top_entropy_quantile, the current forward's entropies of each
+    micro-batch over all ranks"""
+    entropy_mask_source: Literal["sampling", "current"] = "sampling"
+    """global scope: whose entropies decide: the sampling policy's (the log-prob pass: no extra forward, the same
+    tokens in every epoch) or the current policy's, as the paper (its section 2.1) and TRL and the authors' code (one
+    no-grad forward per mini-batch after the first; the first mini-batch's are the sampling policy's anyway)"""
+    entropy_mask_norm: Literal["all", "kept"] = "all"
+    """the policy-gradient term's denominator counts every response token (TRL's choice) or only the kept ones (the
+    paper's Eq. 6 and the authors' verl code): 'kept' multiplies it by tokens / kept tokens of the selection set, a
+    mean over the kept tokens of the mini-batch of all ranks (theirs: of each micro-batch on each rank)"""
+    logprob_chunk_size: int = 1024
+    """tokens per chunk of the vocabulary projection; bounds the [tokens, vocab] temporaries"""
+
+    # W-REINFORCE (arXiv 2506.01347; the authors' RLVR-Decomposed: psr_nsr, "weighted")
+    wr_lambda: float = 0.1
+    """a correct response's advantage (the paper's lambda: 0.1; their positive_advantage_weight); a wrong one's is -1"""
+    wr_entropy_coef: float = 0.0
+    """entropy bonus: the loss minus this times the entropy, every token (the authors' config: 0.001, kept by their
+    scripts; the paper's objective: none)"""
+
+    # DeepSpeed
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage (2 or 3)"""
+    offload: bool = False
+    """offload optimizer state (and ZeRO-3 parameters) to CPU memory"""
+    gradient_checkpointing: bool = True
+    """recompute activations in the backward pass"""
+
+    # Checkpoints
+    save_every: int = 50
+    """save a resumable checkpoint every this many steps; 0 disables"""
+    keep_checkpoints: int = 2
+    """keep only the newest this many checkpoints"""
+    resume: str | None = None
+    """resume from a run directory (its newest complete checkpoint) or a checkpoint directory"""
+    resume_allow_changes: bool = False
+    """resume even if training settings differ from the checkpoint's (refused by default, naming them)"""
+
+    # filled in at runtime
+    world_size: int = 0
+    """the number of processes"""
+    run_name: str = ""
+    """{exp_name}__{seed}__{unix time}, or the resumed run's name"""
+    git_commit: str = ""
+    """short hash of the code's commit, "-dirty" with uncommitted changes"""
+
+
+def validate_args(args: Args, world_size: int) -> None:
+    """Reject impossible settings at start with one line naming the flag (the shared flags: utils.checks.check_args)."""
+    method_checks = [
+        (args.wr_lambda >= 0, f"--wr-lambda must be >= 0 (got {args.wr_lambda}): a correct response's weight"),
+        (args.wr_entropy_coef >= 0, f"--wr-entropy-coef must be >= 0 (got {args.wr_entropy_coef})"),
+    ]
+    check_args(args, world_size, method_checks)
+
+
+def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """A = (R - mean_group(R)) / (std_group(R) + eps) for rewards [prompts, G]; no division when not `scale`."""
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    return centered / (rewards.std(dim=1, keepdim=True) + eps) if scale else centered
+
+
+def token_weights(lengths: torch.Tensor, loss_agg: str, n_tokens: float, n_seqs: float, max_len: int) -> torch.Tensor:
+    """Weight of each response token so that sum(weight * loss) is the loss of the optimizer mini-batch of all ranks
+    (n_tokens, n_seqs: its totals; lengths: the local sequences'): token-mean 1 / n_tokens, seq-mean-token-mean
+    1 / (len_i n_seqs), seq-mean-token-sum-norm (Dr. GRPO) 1 / (max_len n_seqs): independent of the layout."""
+    if loss_agg == "token-mean":
+        per_seq = torch.full_like(lengths, 1.0 / n_tokens, dtype=torch.float32)
+    elif loss_agg == "seq-mean-token-mean":
+        per_seq = 1.0 / (lengths.float() * n_seqs)
+    elif loss_agg == "seq-mean-token-sum-norm":
+        per_seq = torch.full_like(lengths, 1.0 / (max_len * n_seqs), dtype=torch.float32)
+    else:
+        raise ValueError(f"unknown loss_agg {loss_agg!r}")
+    return per_seq.repeat_interleave(lengths)
+
+
+def ppo_clip_loss(logp, old_logp, advantages, eps_low: float, eps_high: float, clip_c: float = 0.0):
+    """Per-token PPO-clip loss max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old_logp) (log-ratio
+    clamped to +-20 as verl does), with clip_c > 0 capped at -A clip_c where A < 0 (dual clip), and a mask of the
+    tokens where a clipped branch is active (no gradient flows there)."""
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    loss, cap = torch.maximum(unclipped, clipped), torch.where(advantages < 0, -advantages * clip_c, torch.inf)
+    return (loss.clamp(max=cap), (clipped > unclipped) | (loss > cap)) if clip_c else (loss, clipped > unclipped)
+
+
+def rollout_weights(old_logp, sampler_logp, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    training"): each sampled token's loss weight min(pi_old / pi_sampler, cap), pi_old the trainer's probability."""
+    return torch.exp(old_logp - sampler_logp).clamp(max=cap)
+
+
+class Selection(NamedTuple):
+    kept: dict  # micro-batch index -> mask of its tokens at or above the threshold
+    entropy: dict  # micro-batch index -> the entropies that decided
+    threshold: float
+    scale: float  # tokens / kept tokens of the selection set, all ranks: turns a mean over all into one over the kept
+
+
+def entropy_selection(entropies: dict, rho: float) -> Selection:
+    """The 80/20 rule over a selection set of tokens on all ranks (this rank's: a flat tensor of entropies per
+    micro-batch index): the tokens whose entropy is at or above the (1 - rho) quantile of the whole set, ties kept
+    (rho 0: the maximum only), as TRL's top_entropy_quantile."""
+    gathered = distributed.gather_ranks(torch.cat(list(entropies.values())))[0]
+    threshold = ops.quantile(gathered, 1 - rho) if gathered.numel() else gathered.new_tensor(math.inf)
+    kept = {i: e >= threshold for i, e in entropies.items()}
+    return Selection(kept, entropies, threshold.item(), gathered.numel() / max((gathered >= threshold).sum().item(), 1))
+
+
+class TokenSelection:
+    """The 80/20 rule in the loop, asked before each optimizer mini-batch (`start`) and for each micro-batch's loss
+    (`keep`); with --top-entropy-quantile 1 it keeps every token and costs nothing."""
+
+    def __init__(self, args):
+        self.rho = args.top_entropy_quantile
+        self.scope = args.entropy_mask_scope if self.rho < 1 else None
+        self.current, self.kept_mean = args.entropy_mask_source == "current", args.entropy_mask_norm == "kept"
+        self.selection = None
+
+    def start(self, mb: range, entropies: list, later: bool, forward: tuple) -> None:
+        """Global scope: one threshold over the mini-batch of all ranks from the sampling policy's entropies (the
+        current policy's until an update) or, with --entropy-mask-source current after the step's first update
+        (`later`), from a no-grad forward of the mini-batch (`forward`: the log-prob function, the policy, batches)."""
+        if self.scope == "global":
+            logprobs, policy, batches = forward
+            with torch.no_grad():
+                current = self.current and later
+                decide = {
+                    i: logprobs(policy, batches[i], with_entropy=True)[1] if current else entropies[i] for i in mb
+                }
+            self.selection = entropy_selection(decide, self.rho)
+
+    def keep(self, i: int, token_loss, entropy, sums: dict) -> tuple:
+        """Micro-batch i's per-token loss on its kept tokens only (x tokens / kept tokens with --entropy-mask-norm
+        kept: a mean over the kept); the microbatch scope selects here, from the training forward's entropies (TRL
+        1.16). Returns the loss, the kept mask (None: off) and the selection's scale; adds to the metrics' sums."""
+        if self.scope is None:
+            return token_loss, None, 1.0
+        if self.scope == "microbatch":  # TRL 1.16: this micro-batch's current entropies, all ranks
+            self.selection = entropy_selection({i: entropy.detach()}, self.rho)
+        s = self.selection
+        kept = s.kept[i]
+        sums["kept"] += kept.sum().double()
+        sums["kept_entropy"] += (s.entropy[i] * kept).sum().double()
+        sums["threshold"] += s.threshold
+        sums["selections"] += 1
+        return token_loss * kept * (s.scale if self.kept_mean else 1.0), kept, s.scale
+
+
+# ---- W-REINFORCE: the weighted samples ----
+def weighted_advantages(rewards: torch.Tensor, lam: float) -> torch.Tensor:
+    """A = lam r - (1 - r): lam for a correct response (r = 1), -1 for a wrong one (r = 0), linear in between."""
+    return lam * rewards - (1.0 - rewards)
+
+
+class Sample(NamedTuple):
+    ids: list  # response token ids
+    sampler_logps: list | None  # the sampler's log-prob of each token (vLLM only)
+    truncated: bool  # stopped at --max-response-length
+
+
+def generate(args, sampler, policy, tokenizer, prompts: list, seeds: list, n: int, greedy: bool, group=None) -> list:
+    """n Samples per prompt, prompt-major, from the vLLM sampler (or HF generate on the policy without one). With a
+    tensor-parallel engine (`group`: its ranks), every rank of the group generates the group's prompts with the same
+    inputs, as vLLM requires, and keeps the responses to its own."""
+    first, count = 0, len(prompts)
+    if group is not None:
+        shares = [None] * dist.get_world_size(group)
+        dist.all_gather_object(shares, (prompts, seeds), group=group)
+        first = sum(len(p) for p, _ in shares[: dist.get_rank(group)])
+        prompts, seeds = [p for ps, _ in shares for p in ps], [s for _, ss in shares for s in ss]
+    if not prompts:
+        return []
+    if sampler is not None:
+        from vllm import SamplingParams
+
+        temperature, top_p = (0.0, 1.0) if greedy else (args.temperature, args.top_p)
+        fixed = {"n": n, "temperature": temperature, "top_p": top_p, "max_tokens": args.max_response_length}
+        params = [SamplingParams(seed=seed, logprobs=0, detokenize=False, **fixed) for seed in seeds]
+        outputs = sampler.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        samples = []
+        for c in (c for o in outputs[first : first + count] for c in o.outputs):
+            logps = [next(iter(lp.values())).logprob for lp in c.logprobs]  # of the sampled tokens
+            samples.append(Sample(list(c.token_ids), logps, c.finish_reason == "length"))
+        return samples
+    # no sampler: HF generate on this rank
+    rows = models.hf_generate(policy, tokenizer, prompts, n, greedy, seeds[0], args)
+    return [Sample(ids, None, truncated) for ids, truncated in rows]
+
+
+def evaluate(args, sampler, policy, tokenizer, eval_data: list, logprobs, group=None) -> dict:
+    """Held-out greedy accuracy; with --eval-samples n also n samples per prompt at the training temperature (seeded by
+    the prompt's position: the same draw each time), their mean accuracy, pass@k, entropy (tracking.eval_metrics)."""
+    rank, world_size, n, device = dist.get_rank(), dist.get_world_size(), args.eval_samples, policy.device
+    shard = eval_data[rank::world_size]
+    prompts = [p for p, _, _ in shard]
+    greedy = generate(args, sampler, policy, tokenizer, prompts, [0] * len(prompts), 1, True, group)
+    seeds = [(rank + i * world_size) * n for i in range(len(prompts))]  # global position x n
+    sampled = generate(args, sampler, policy, tokenizer, prompts, seeds, n, False, group) if n else []
+    entropies = tracking.sample_entropies(logprobs, policy, tokenizer, prompts, sampled, n, args.micro_batch_size)
+    return tracking.eval_metrics(tokenizer, shard, greedy, sampled, n, entropies, eval_data, device)
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    rank, local_rank, world_size, device, on_gpu, launch = distributed.init_distributed(args.rollout_ranks)
+    validate_args(args, world_size)
+    check_model(args)  # the model loads and the context fits it
+    args.world_size, args.git_commit = world_size, tracking.git_commit()
+    run_dir, resumed = open_run(args, world_size, device)  # resume continues the run directory of its checkpoint
+
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+
+    # data: prompts tokenised once; over-long prompts dropped and counted
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    train_data, dropped = tokenized_prompts(args.dataset, args.dataset_split, tokenizer, args)
+    eval_data = eval_prompts(args.eval_dataset, tokenizer, args, train_data)  # (prompt, answer, set name)
+    if rank == 0:
+        print(f"{len(train_data)} training prompts ({dropped} dropped: longer than {args.max_prompt_length} tokens)")
+
+    # the policy (DeepSpeed engine), the reference policy, the sampler (vLLM engine)
+    G, mbs, clip = args.group_size, args.micro_batch_size, (args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c)
+    updates_per_step = args.num_mini_batches * args.num_epochs
+    grading_workers = args.grading_workers or default_grading_workers()
+    if launch.serving:  # a rollout rank generates for the trainers until they stop, then exits
+        serve(launch, args, generate, tokenizer, train_data, grading_workers)
+    selector = TokenSelection(args)  # the 80/20 rule
+    select = selector.scope  # where it selects: global, microbatch or None (off)
+    # else the training forward computes the old log-probs; a global selection needs the entropies before training
+    separate_pass = updates_per_step > 1 or args.kl_coef > 0 or select == "global" or args.max_staleness > 0
+    train_entropy = not separate_pass or select == "microbatch"  # the training forward's: old, or to select by
+    train_entropy = train_entropy or args.wr_entropy_coef > 0  # W-REINFORCE: the authors' entropy bonus
+    grad_accum = args.num_prompts_per_step // (args.num_mini_batches * world_size) * G // mbs  # micro-batches/update
+    policy, scheduler, ref_policy = models.make_policy(args, on_gpu, grad_accum, updates_per_step)
+    # method_state: what a method carries across steps (saved in checkpoints)
+    start_step, method_state = 0, {}
+    consumed = 0  # prompts of the seeded stream used so far
+    if resumed:
+        start_step, method_state, consumed = checkpoints.load(policy, resumed, rank, launch)
+    calls = models.head_calls(args)  # ZeRO-3: every rank calls the output head equally often (None: any number)
+
+    def logprobs(model, batch, with_entropy=False, extra=None):
+        return response_logprobs(model, batch, args.temperature, args.logprob_chunk_size, with_entropy, calls, extra)
+
+    sampler = make_sampler(args, rank, on_gpu, policy, launch) if args.use_vllm else None
+    tp_group = distributed.tensor_parallel_group(args.vllm_tensor_parallel_size, launch)  # ranks sharing its sampler
+    sleeping = on_gpu and sampler is not None and args.vllm_sleep_level > 0 and not launch.trains
+
+    def sample(prompts, seeds):  # G samples per prompt, called once per generation round
+        return generate(args, sampler, policy, tokenizer, prompts, seeds, G, False, tp_group)
+
+    if sampler is not None and resumed:
+        push_weights(policy, sampler, args.zero_stage)
+    tracker = tracking.Tracker(args, run_dir, rank, start_step if resumed else None)  # metrics.jsonl; wandb: --track
+    stop, trim_heap = lifecycle.StopSignal(launch), lifecycle.HeapTrim()
+    if eval_data and args.eval_every and start_step == 0:
+        tracker.log(evaluate(args, sampler, policy, tokenizer, eval_data, logprobs, tp_group), 0)  # the base policy
+    bad_steps, stopping = 0, False
+    progress = tqdm(range(start_step, args.total_steps), disable=rank != 0, initial=start_step, total=args.total_steps)
+    for step in progress:
+        step_start = time.time()
+        # ---- rollouts: G samples per prompt, graded (utils/rollouts.py: dynamic sampling, rollout ranks) ----
+        rollout = rollouts.collect(args, consumed, train_data, tokenizer, sample, grading_workers, launch)
+        if sleeping:
+            sampler.sleep(level=args.vllm_sleep_level)
+        prompts, samples, graded, rewards = rollout.prompts, rollout.samples, rollout.graded, rollout.rewards
+        consumed = rollout.consumed  # where the next step's prompts start in the stream (checkpointed)
+        metrics = {"time/generation": rollout.seconds[0], "time/reward": rollout.seconds[1]}
+
+        # ---- advantages; the micro-batches, collated once ----
+        seq_prompts, responses = [prompts[k // G] for k in range(len(samples))], [s.ids for s in samples]
+        advantages = weighted_advantages(rewards, args.wr_lambda).flatten()  # W-REINFORCE
+        # each micro-batch's samples; mini-batch m is micro-batches minis[m]
+        indices, minis = batching.micro_batches([len(p) + len(r) for p, r in zip(seq_prompts, responses)], args, device)
+        parts = [([seq_prompts[k] for k in g], [responses[k] for k in g], advantages[g], g) for g in indices]
+        batches = [
+            batching.collate(p, r, tokenizer.pad_token_id, device, a, args.padding_free, g) for p, r, a, g in parts
+        ]
+        if sampler is not None:  # the sampler's log-probs of each micro-batch's tokens, in its order
+            sampler_logps = [torch.tensor([x for k in g for x in samples[k].sampler_logps]).to(device) for g in indices]
+
+        # ---- log-prob pass: the sampling policy's log-probs and entropy, the reference policy's log-probs ----
+        # a single on-policy update without reference policy skips it: its training forward gives them (old = current)
+        t0 = time.time()
+        old_logps, ref_logps, entropies = [], [], []  # one flat tensor per micro-batch
+        sums = dict.fromkeys(["entropy", "loss", "clipped", "approx_kl", "ref_kl"], 0.0)  # over the step, then ranks
+        sums.update(dict.fromkeys(["kept", "kept_entropy", "threshold", "selections"], 0.0))  # the 80/20 rule
+        sums.update(dict.fromkeys(tracking.CLIP_SUMS, 0.0))  # where the ratio left the clip range
+        if separate_pass:
+            with torch.no_grad():
+                for batch in batches:
+                    logp, entropy, _ = logprobs(policy, batch, with_entropy=True)
+                    old_logps.append(logp)
+                    entropies.append(entropy)
+                    sums["entropy"] += entropy.sum().double()
+                    if ref_policy is not None:
+                        ref_logps.append(logprobs(ref_policy, batch)[0])
+        metrics["time/logprob"] = time.time() - t0
+
+        # ---- training: mini-batches of the rollout batch, the loss normalised over all ranks ----
+        t0 = time.time()
+        grad_norms, skipped = [], 0
+        for epoch in range(args.num_epochs):
+            for m in range(args.num_mini_batches):
+                mb = minis[m]
+                mb_lengths = torch.cat([batches[i]["lengths"] for i in mb])
+                totals = distributed.all_reduce_sums(
+                    {"tokens": mb_lengths.sum().item(), "seqs": len(mb_lengths)}, device
+                )
+                aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
+                selector.start(mb, entropies, bool(epoch or m), (logprobs, policy, batches))  # 80/20 rule, global scope
+                for i in mb:
+                    batch = batches[i]
+                    logp, entropy, _ = logprobs(policy, batch, with_entropy=train_entropy)
+                    if not separate_pass:  # the weights that sampled the batch: their log-probs are the old ones
+                        old_logps.append(logp.detach())
+                        entropies.append(entropy.detach())
+                        sums["entropy"] += entropy.sum().double()
+                    old_logp, adv = old_logps[i], batch["advantages"]
+                    weights = token_weights(batch["lengths"], *aggregation).to(device)
+                    token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)
+                    if sampler is not None and args.vllm_is_cap:  # the sampler's tokens, weighted to the trainer's
+                        token_loss = token_loss * rollout_weights(old_logp, sampler_logps[i], args.vllm_is_cap)
+                    token_loss, kept, scale = selector.keep(i, token_loss, entropy, sums)  # 80/20: the kept tokens only
+                    if args.wr_entropy_coef:  # W-REINFORCE: the authors' entropy bonus, every token
+                        token_loss = token_loss - args.wr_entropy_coef * entropy
+                    if ref_policy is not None:
+                        log_ratio = ref_logps[i] - logp
+                        ref_kl = torch.exp(log_ratio) - log_ratio - 1  # k3 estimator
+                        token_loss = token_loss + args.kl_coef * ref_kl
+                        sums["ref_kl"] += (ref_kl.detach() * weights).sum().double()
+                    loss = (token_loss * weights).sum()
+                    # DeepSpeed divides by the accumulation steps and averages over ranks; the weights already normalise
+                    policy.set_gradient_accumulation_boundary(i == mb[-1])  # the update: after the last
+                    policy.backward(loss * grad_accum * world_size)
+                    policy.step()
+                    with torch.no_grad():
+                        log_ratio = logp - old_logp
+                        sums["loss"] += loss.detach().double()
+                        sums["clipped"] += (clipped.float() * weights).sum().double()
+                        tracking.clip_sums(sums, log_ratio, adv, weights, *clip[:2])
+                        sums["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * weights).sum().double()
+                skipped += lifecycle.record_update(policy, scheduler, grad_norms)  # or skipped (non-finite)
+        metrics["time/training"] = time.time() - t0
+
+        # ---- weight push: the sampler gets the new policy ----
+        t0 = time.time()
+        if sampler is not None:  # awake afterwards, for evaluation and the next rollouts
+            push_weights(policy, sampler, args.zero_stage, wake=sleeping)
+        metrics["time/weight_push"] = time.time() - t0
+
+        # ---- metrics: sums over ranks, then means ----
+        old_logp = torch.cat(old_logps)
+        sums.update(seqs=len(samples), tokens=old_logp.numel(), prompt_tokens=sum(len(p) for p in seq_prompts))
+        sums["positions"] = sum(batch["input_ids"].numel() for batch in batches)  # padding included
+        sums.update(tracking.rollout_sums(rewards, graded, samples))
+        sums.update(rollout.sums)  # --filter-groups: the generation rounds
+        sums["nll"] = -old_logp.sum().item()
+        if sampler is not None:  # the sampler's log-probs against the trainer's, the correction's weights
+            sums.update(tracking.sampler_sums(old_logp, torch.cat(sampler_logps), args.vllm_is_cap))
+        g = distributed.all_reduce_sums(sums, device)
+        max_length = torch.tensor([max(len(s.ids) for s in samples)], device=device)
+        dist.all_reduce(max_length, op=dist.ReduceOp.MAX)
+        metrics.update(
+            tracking.step_metrics(g, args, grad_norms, skipped, scheduler, time.time() - step_start, max_length)
+        )
+        metrics.update(tracking.opening_metrics(entropies, batches, samples))  # the top 20% and first tokens
+        tracker.log(metrics, step + 1)
+        progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", entropy=f"{metrics['entropy/full']:.3f}")
+
+        # ---- evaluation and checkpoint ----
+        # every rank agrees: the skipped updates are global
+        bad_steps = lifecycle.check_bad_steps(bad_steps, skipped, args.max_bad_steps, run_dir, tracker)
+        done = step + 1 == args.total_steps
+        if eval_data and args.eval_every and ((step + 1) % args.eval_every == 0 or done):
+            tracker.log(evaluate(args, sampler, policy, tokenizer, eval_data, logprobs, tp_group), step + 1)
+        trim_heap()
+        stopping = stop.agreed(device)  # a signal to any rank stops them all
+        if (args.save_every and (step + 1) % args.save_every == 0) or done or stopping:
+            checkpoints.save(policy, run_dir, step + 1, method_state, args, rank, done or stopping, consumed, launch)
+        if stopping:
+            break
+
+    lifecycle.finish(policy, tokenizer, run_dir, rank, tracker, stopped_at=step + 1 if stopping else None)
+    lifecycle.shutdown(sampler, launch)  # the engine first, then the process groups
