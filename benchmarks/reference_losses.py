@@ -1,21 +1,31 @@
 """The references' own code for CISPO (verl 0.9.1 compute_policy_loss_cispo; TRL 1.16.0 GRPOTrainer._compute_loss),
 CE-GPPO (Kwai-Klear/CE-GPPO 10558fe compute_gppo_loss_general_beta) and Lp-Reg (CarlanLark/Lp-Reg-dev 33b27e2
 compute_policy_loss_lp_reg, apply_min_p) against grpo_cispo.py, grpo_cegppo.py and grpo_lpreg.py, on the cases of
-tests/test_remedies.py (which checks transcriptions). verl and TRL are installed; the authors' functions are taken out
-of their files with ast (their modules import their old verl) and run unchanged beside torch, numpy and their verl_F.
+tests/test_remedies.py (which checks transcriptions); and for SAPO (verl's registered "sapo" loss; TRL's _compute_loss,
+loss_type "sapo"), GSPO (verl's registered "gspo" loss, token-mean and seq-mean-token-mean; TRL's _compute_loss,
+importance_sampling_level "sequence", loss_type "grpo") and W-REINFORCE (TianHongZXY/RLVR-Decomposed a5d4e7c
+compute_psr_nsr_outcome_advantage, advantage "weighted", and its compute_policy_loss) against grpo_sapo.py,
+grpo_gspo.py (level "token" against verl, "sequence" against TRL) and grpo_wreinforce.py (tests/test_loss_variants.py
+states their formulas). verl and TRL are installed; the authors' functions are taken out of their files with ast (their
+modules import their old verl) and run unchanged beside torch, numpy and their verl_F.
 `write` (a venv with verl==0.9.1, trl==1.16.0) saves the inputs and the references' loss, gradient with respect to the
-[B, T] log-probs, clip fractions, regularised tokens and min-p proxies; `check` (the project's venv) runs ours as the
-scripts do (flat valid tokens, token-mean weights), prints the largest differences, exits 1 beyond tolerance.
+[B, T] log-probs, clip fractions, regularised tokens, min-p proxies and W-REINFORCE advantages; `check` (the project's
+venv) runs ours as the scripts do (flat valid tokens; each script's token_weights, grpo_vanilla's text: token-mean,
+SAPO seq-mean-token-mean, GSPO verl's mode or TRL's seq-mean-token-mean), prints the largest differences, exits 1
+beyond tolerance. GSPO on micro-batches, near on policy (log-ratios 1e-3 N(0, 1): clipped and unclipped sequences at
+eps 3e-4 / 4e-4) and with sequence log-ratios of +-12 (verl's GSPO-token clamps log s at 10, TRL does not).
 Also: log-ratios of +-25 (CE-GPPO: checked; where A < 0 meets r = e^25 unclamped, CE-GPPO without dual clip and
-Lp-Reg: our +-20 clamp, a documented deviation, printed, never failed); TRL's optimizer steps when a generation
-batch is spread over 4 mini-batches (GRPOTrainer.training_step through transformers' Trainer.training_step: checked
-against ours times spg N_step / (ga N_gen)); the per-token weights of an optimizer step under verl 0.9.1 (checked
-equal to our --loss-agg modes) and CE-GPPO's fork (printed) on mini-batches laid out as its 1.5B script lays them.
+Lp-Reg: our +-20 clamp, a documented deviation, printed, never failed; SAPO, clamped +-20 by verl and ours, not by
+TRL: checked, the differences printed by token); TRL's optimizer steps when a generation batch is spread over 4
+mini-batches (GRPOTrainer.training_step through transformers' Trainer.training_step: checked against ours times
+spg N_step / (ga N_gen)); the per-token weights of an optimizer step under verl 0.9.1 (checked equal to our --loss-agg
+modes) and CE-GPPO's fork (printed) on mini-batches laid out as its 1.5B script lays them.
 Setup and result: benchmarks/results/reference_losses.txt.
 
     python benchmarks/reference_losses.py write /tmp/ref.pt --cegppo-core-algos cegppo_core_algos.py \
         --lpreg-core-algos lpreg_core_algos.py --lpreg-dp-actor lpreg_dp_actor.py --torch-functional lpreg_tf.py \
-        --cegppo-seqlen-balancing cegppo_seqlen_balancing.py
+        --cegppo-seqlen-balancing cegppo_seqlen_balancing.py --wr-core-algos wr_core_algos.py \
+        --wr-torch-functional wr_torch_functional.py
     python benchmarks/reference_losses.py check /tmp/ref.pt
 """
 
@@ -51,6 +61,10 @@ MINP = [(0.02, 1.0), (0.1, 0.7), (0.5, 1.3)]  # (kappa, temperature)
 # log-ratios beyond the +-20 clamp of our losses (and of verl's PPO loss), the references' loss unclamped: (row, column,
 # log r) in micro_batch's rows 5 (A > 0) and 6 (A < 0); the last one, A < 0 and r = e^25, only where a dual clip caps it
 BEYOND = [(5, 1, 25.0), (5, 2, -25.0), (6, 1, -25.0), (6, 2, 25.0)]
+SAPO_TAUS = [(1.0, 1.05), (0.5, 2.0), (1.0, 1.0)]  # (tau_pos, tau_neg): the paper's (verl's and TRL's defaults)
+GSPO_CLIPS = [(3e-4, 4e-4), (0.2, 0.2)]  # (eps_low, eps_high): the paper's, and PPO's usual
+NEAR = 1e-3  # near on policy: log-ratios NEAR N(0, 1), sequence ratios about 1 +- 3e-4 (some clipped at 3e-4, some not)
+WR_LAMBDAS = [0.1, 0.0, 1.0]  # positive_advantage_weight: the paper's W-REINFORCE, NSR's weights, both 1
 TRL_STEPS = 4, [1, 2, 4]  # TRL: steps_per_generation; gradient_accumulation_steps (1: each mini-batch its own update)
 # CE-GPPO's 1.5B script: 16 prompts x 8 responses a mini-batch on 16 x 8 GPUs / sp 4 = 32 data-parallel ranks: 4
 # sequences a rank; dynamic bsz, (4096 + 16384) / 4 tokens a GPU x sp 4 = 20480 tokens (prompt + response) a micro-batch
@@ -104,6 +118,38 @@ def lpreg_inputs(seed: int, ties: bool) -> dict:
     return dict(c, proxy=proxy.masked_fill(outside, -math.inf), proxy_theirs=proxy.masked_fill(outside, -1e4 - 3.0))
 
 
+def near_policy(seed: int) -> dict:
+    """micro_batch(seed) with log-probs near the old ones: log-ratios NEAR N(0, 1) on every token."""
+    c = micro_batch(seed)
+    g = torch.Generator().manual_seed(200 + seed)
+    c["logp"] = c["old"] + NEAR * torch.randn(c["old"].shape, generator=g)
+    return c
+
+
+def far_policy(seed: int) -> dict:
+    """micro_batch(seed) with sequence log-ratios beyond verl's GSPO clamp (log s <= 10): every token of rows 5 (A > 0)
+    and 6 (A < 0) at log r = +12, of row 2 (A > 0) at -12."""
+    c = micro_batch(seed)
+    for row, value in ((5, 12.0), (6, 12.0), (2, -12.0)):
+        c["logp"][row] = c["old"][row] + value
+    return c
+
+
+def outcome_rewards(seed: int, groups: int, G: int = 8) -> torch.Tensor:
+    """[groups x G] 0/1 verifier rewards: the first group all wrong, the second all right, the others random."""
+    g = torch.Generator().manual_seed(300 + seed)
+    rewards = (torch.rand(groups, G, generator=g) < 0.5).float()
+    rewards[0], rewards[1] = 0.0, 1.0
+    return rewards.flatten()
+
+
+def last_token_scores(rewards, lengths, T: int) -> torch.Tensor:
+    """[B, T] token-level scores: the response's reward on its last token (verl's reward layout), 0 elsewhere."""
+    scores = torch.zeros(len(lengths), T)
+    scores[torch.arange(len(lengths)), lengths - 1] = rewards
+    return scores
+
+
 # ---- write: the references ----
 def authors(path: str, names: list, **namespace) -> types.SimpleNamespace:
     """The named functions of one of the authors' files (a method too, dedented), their text executed unchanged in
@@ -133,14 +179,14 @@ class Writes(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def trl_trainer(cap: float, **config):
+def trl_trainer(cap: float = 0.2, loss_type: str = "cispo", **config):
     """A GRPOTrainer built without __init__ (no model; glue): the attributes its loss reads, set as __init__ sets them
-    from a real GRPOConfig(loss_type="cispo", **config)."""
+    from a real GRPOConfig(loss_type=loss_type, epsilon_high=cap (unset where 0.2), **config)."""
     from accelerate import Accelerator
     from trl import GRPOConfig, GRPOTrainer
 
     epsilon_high = None if cap == 0.2 else cap
-    args = GRPOConfig(tempfile.mkdtemp(), loss_type="cispo", epsilon_high=epsilon_high, use_cpu=True, **config)
+    args = GRPOConfig(tempfile.mkdtemp(), loss_type=loss_type, epsilon_high=epsilon_high, use_cpu=True, **config)
     tr = object.__new__(GRPOTrainer)
     tr.args, tr.loss_type, tr.beta, tr.epsilon_low = args, args.loss_type, args.beta, args.epsilon
     tr.epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
@@ -152,9 +198,9 @@ def trl_trainer(cap: float, **config):
     return tr
 
 
-def trl_cispo(cap: float):
-    """TRL's _compute_loss on trl_trainer(cap), the model forward replaced by the given log-probs."""
-    tr = trl_trainer(cap)
+def trl_loss(tr, metrics: tuple = ()):
+    """TRL's _compute_loss on the trainer tr, the model forward replaced by the given log-probs; the named metrics it
+    logs."""
 
     def loss(c, logp):
         tr._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
@@ -164,9 +210,14 @@ def trl_cispo(cap: float):
             prompt_ids=ids[:, :1], prompt_mask=ids[:, :1] + 1, completion_ids=ids, old_per_token_logps=c["old"]
         )
         inputs.update(completion_mask=c["mask"].long(), advantages=c["adv"][:, 0], num_items_in_batch=c["mask"].sum())
-        return tr._compute_loss(tr.model, inputs), {"cispo_clip_ratio": tr._metrics["train"]["cispo_clip_ratio"][-1]}
+        return tr._compute_loss(tr.model, inputs), {k: tr._metrics["train"][k][-1] for k in metrics}
 
     return loss
+
+
+def trl_cispo(cap: float):
+    """TRL's _compute_loss on trl_trainer(cap), loss_type "cispo"."""
+    return trl_loss(trl_trainer(cap), ("cispo_clip_ratio",))
 
 
 def trl_cispo_steps(cap: float, c: dict, seed: int, ga: int, spg: int) -> list:
@@ -266,7 +317,7 @@ def layouts(seqlen_balancing: str, fork_agg_loss, verl_agg_loss) -> list:
 
 
 def write(a) -> None:
-    from verl.trainer.ppo.core_algos import compute_policy_loss_cispo
+    from verl.trainer.ppo.core_algos import compute_policy_loss_cispo, get_policy_loss_fn
     from verl.workers.config import ActorConfig, PolicyLossConfig
 
     if a.torch_functional:  # their verl_F: masked_mean (the same text in both forks), logprobs_from_logits_v2
@@ -346,6 +397,75 @@ def write(a) -> None:
             beyond(lpreg_inputs(seed, False), BEYOND),
             partial(lp_reg, **p),
         )
+
+    # SAPO and GSPO: verl's registered losses called as its ppo_loss calls them (loss_agg_mode=config.loss_agg_mode;
+    # SAPO ignores it and takes seq-mean-token-mean), global_batch_info empty (one rank: agg_loss counts the
+    # micro-batch); TRL's _compute_loss with loss_type "sapo" / importance_sampling_level "sequence"
+    def verl_registered(c, logp, name, cfg):
+        loss, metrics = get_policy_loss_fn(name)(c["old"], logp, c["adv"], c["mask"], cfg.loss_agg_mode, cfg)
+        return loss, ({"pg_clipfrac": metrics["actor/pg_clipfrac"]} if name == "gspo" else {})
+
+    def actor(loss_mode, **config):
+        base = dict(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1)
+        return ActorConfig(**base, **config, policy_loss=PolicyLossConfig(loss_mode=loss_mode))
+
+    def sapo_cases(family, seeds, tokens, taus):
+        for seed, (tau_pos, tau_neg) in product(seeds, taus):
+            p = dict(seed=seed, tau_pos=tau_pos, tau_neg=tau_neg, agg="seq-mean-token-mean")
+            cfg = actor("sapo", tau_pos=tau_pos, tau_neg=tau_neg)  # loss_agg_mode: the default token-mean
+            record(
+                "verl " + family, p, beyond(micro_batch(seed), tokens), partial(verl_registered, name="sapo", cfg=cfg)
+            )
+            tr = trl_trainer(loss_type="sapo", sapo_temperature_pos=tau_pos, sapo_temperature_neg=tau_neg)
+            record("trl " + family, p, beyond(micro_batch(seed), tokens), trl_loss(tr))
+
+    sapo_cases("sapo", range(3), [], SAPO_TAUS)
+    sapo_cases("sapo |lr| 25", range(2), BEYOND, SAPO_TAUS[:2])
+    trl_clips = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+    trl_clips += ("clip_ratio/low_min", "clip_ratio/high_max")
+    kinds = [("", micro_batch, 3), (" near", near_policy, 3), (" lr 12", far_policy, 2)]  # (family, inputs, seeds)
+    for (suffix, inputs, seeds), (low, high), seed in product(kinds, GSPO_CLIPS, range(3)):
+        if seed >= seeds:
+            continue
+        for agg in ("seq-mean-token-mean", "token-mean"):
+            cfg = actor("gspo", clip_ratio_low=low, clip_ratio_high=high, loss_agg_mode=agg)
+            p = dict(seed=seed, low=low, high=high, agg=agg)
+            record("verl gspo" + suffix, p, inputs(seed), partial(verl_registered, name="gspo", cfg=cfg))
+        tr = trl_trainer(high, "grpo", epsilon=low, importance_sampling_level="sequence")
+        p = dict(seed=seed, low=low, high=high, agg="seq-mean-token-mean")
+        record("trl gspo" + suffix, p, inputs(seed), trl_loss(tr, trl_clips))
+    wr_adv = []
+    if a.wr_core_algos:  # W-REINFORCE: the authors' advantage (their trainer: rewards = scores, gamma 1) and PPO loss
+        if a.wr_torch_functional:
+            wr_F = authors(a.wr_torch_functional, ["masked_mean"], torch=torch)
+        else:  # verl 0.9.1's: the same computation
+            import verl.utils.torch_functional as wr_F
+        names = ["compute_psr_nsr_outcome_advantage", "compute_policy_loss"]
+        wrd = authors(a.wr_core_algos, names, torch=torch, np=np, defaultdict=defaultdict, verl_F=wr_F)
+
+        def psr_nsr(rewards, lengths, mask, lam):
+            scores = last_token_scores(rewards, lengths, mask.shape[1])
+            return wrd.compute_psr_nsr_outcome_advantage(scores, scores, mask.float(), 1.0, "weighted", lam)[0], scores
+
+        for seed, lam in product(range(3), WR_LAMBDAS):
+            rewards = outcome_rewards(seed, 4)
+            g = torch.Generator().manual_seed(400 + seed)
+            lengths = torch.randint(1, 17, (len(rewards),), generator=g)
+            mask = torch.arange(16)[None] < lengths[:, None]
+            adv, _ = psr_nsr(rewards, lengths, mask, lam)
+            wr_adv.append(dict(seed=seed, lam=lam, rewards=rewards, lengths=lengths, mask=mask, ref_adv=adv))
+
+        def wr_loss(c, logp):
+            loss, clipfrac, _ = wrd.compute_policy_loss(c["old"], logp, c["adv"], c["mask"].float(), 0.2, c["scores"])
+            return loss, {"pg_clipfrac": clipfrac}
+
+        for seed, lam in product(range(3), WR_LAMBDAS):
+            c = micro_batch(seed)  # ratios exactly on 0.8 and 1.2 in rows 0-3
+            c["rewards"] = ((torch.arange(len(c["lengths"])) + seed) % 3 == 0).float()
+            c["adv"], c["scores"] = psr_nsr(c["rewards"], c["lengths"], c["mask"], lam)
+            record("wr ppo", dict(seed=seed, lam=lam), c, wr_loss)
+    else:
+        print("no --wr-core-algos: the W-REINFORCE cases left out")
     spg, gas = TRL_STEPS
     for seed, cap, ga in product(range(2), TRL_CAPS[:2], gas):  # a generation batch of 16 sequences of 3 to 40 tokens
         parts = [micro_batch(2 * seed + k, bounds=(0.5, cap), T=40) for k in range(2)]
@@ -375,18 +495,21 @@ def write(a) -> None:
             proxy = verl_F.logprobs_from_logits_v2(filtered.div_(temperature), labels)
             minp.append(dict(kappa=kappa, temperature=temperature, logits=logits, labels=labels, ref_proxy=proxy))
     paths = [a.cegppo_core_algos, a.lpreg_core_algos, a.lpreg_dp_actor, a.torch_functional, a.cegppo_seqlen_balancing]
+    paths += [a.wr_core_algos, a.wr_torch_functional]
     sources = {os.path.basename(p): hashlib.sha256(open(p, "rb").read()).hexdigest()[:16] for p in paths if p}
     versions = {p: importlib.metadata.version(p) for p in ("torch", "verl", "trl", "transformers", "accelerate")}
-    torch.save(dict(cases=cases, minp=minp, aggregation=aggregation, sources=sources, versions=versions), a.path)
-    line = f"{len(cases)} loss cases, {len(minp)} min-p cases, {len(aggregation)} mini-batch layouts -> {a.path}; "
+    data = dict(cases=cases, minp=minp, aggregation=aggregation, wr_adv=wr_adv, sources=sources, versions=versions)
+    torch.save(data, a.path)
+    line = f"{len(cases)} loss cases, {len(minp)} min-p cases, {len(aggregation)} mini-batch layouts, "
+    line += f"{len(wr_adv)} W-REINFORCE advantage cases -> {a.path}; "
     print(line + f"{versions}; sha256[:16] {sources}")
 
 
 # ---- check: ours ----
-BEYOND_FAMILIES = ("ce-gppo |lr| 25", "ce-gppo lr 25 A<0", "lp-reg |lr| 25")  # log-ratios of +-25 (BEYOND)
-DEVIATIONS = BEYOND_FAMILIES[
-    1:
-]  # our +-20 log-ratio clamp, their none: A < 0 at r = e^25 unclamped; printed, not failed
+# log-ratios of +-25 (BEYOND)
+BEYOND_FAMILIES = ("ce-gppo |lr| 25", "ce-gppo lr 25 A<0", "lp-reg |lr| 25", "verl sapo |lr| 25", "trl sapo |lr| 25")
+# our +-20 log-ratio clamp, their none: A < 0 at r = e^25 unclamped; printed, not failed
+DEVIATIONS = ("ce-gppo lr 25 A<0", "lp-reg |lr| 25")
 LOSS_AGG = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -395,9 +518,15 @@ def check(a) -> int:
     sys.path.insert(0, ROOT)
     import grpo_cegppo as ce
     import grpo_cispo as ci
+    import grpo_gspo as gs
     import grpo_lpreg as lp
+    import grpo_sapo as sa
     import grpo_vanilla as gv
+    import grpo_wreinforce as wr
     from utils import tracking
+
+    def script(family):  # the script whose functions a family runs (its token_weights the same text as vanilla's)
+        return sa if "sapo" in family else gs if "gspo" in family else wr if family.startswith("wr") else gv
 
     def ours(c, logp, w):
         """Our per-token loss on the flat valid tokens, as the script computes it; the clip fractions as the reference
@@ -411,6 +540,26 @@ def check(a) -> int:
         if family.startswith("trl cispo"):  # TRL's metric: the capped tokens with A > 0 (ours: every capped one)
             loss, clipped = ci.cispo_loss(logp, old, adv, 0.2, 0.2, p["cap"])
             return loss, {"cispo_clip_ratio": frac(clipped & (adv > 0))}, None
+        if "sapo" in family:  # verl's metrics: constants 0
+            return sa.sapo_loss(logp, old, adv, p["tau_pos"], p["tau_neg"])[0], {}, None
+        if "gspo" in family:  # verl: GSPO-token, token-weighted clip fraction; TRL: sequence ratios, per sequence
+            lengths = c["lengths"]
+            seq_log_ratio = gs.sequence_log_ratios(logp, old, lengths)
+            level = "token" if family.startswith("verl") else "sequence"
+            loss, clipped = gs.gspo_loss(logp, seq_log_ratio, adv, p["low"], p["high"], level)
+            first = torch.cumsum(lengths, 0) - lengths
+            seqs = {"_clipped sequences": int(clipped[first].sum())}  # "_": not the reference's, printed
+            if family.startswith("verl"):
+                return loss, {"pg_clipfrac": frac(clipped), **seqs}, None
+            low, high = (clipped & (adv < 0))[first].float(), (clipped & (adv > 0))[first].float()
+            metrics = {"clip_ratio/low_mean": low.mean().item(), "clip_ratio/high_mean": high.mean().item()}
+            metrics.update({"clip_ratio/region_mean": clipped[first].float().mean().item()})
+            metrics.update({"clip_ratio/low_min": low.min().item(), "clip_ratio/high_max": high.max().item()})
+            return loss, {**metrics, **seqs}, None
+        if family.startswith("wr"):  # ours from the rewards: weighted_advantages, per token
+            adv = wr.weighted_advantages(c["rewards"], p["lam"]).repeat_interleave(c["lengths"])
+            loss, clipped = wr.ppo_clip_loss(logp, old, adv, 0.2, 0.2)
+            return loss, {"pg_clipfrac": frac(clipped)}, None
         if family.startswith("ce-gppo"):  # their pg_clipfrac: the bounded branches, our clip_frac_low_neg + high_pos
             loss, dual = ce.gppo_loss(logp, old, adv, 0.2, 0.2, p["dual"], p["beta1"], p["beta2"])
             sums = dict.fromkeys(tracking.CLIP_SUMS, 0.0)
@@ -424,18 +573,24 @@ def check(a) -> int:
         return policy + penalty, {"pg_clipfrac": frac(clipped)}, selected
 
     data, rows, failures, deviations = torch.load(a.path), defaultdict(list), [], []
-    beyond, steps = defaultdict(lambda: defaultdict(list)), defaultdict(list)
+    beyond, steps, clip_counts = defaultdict(lambda: defaultdict(list)), defaultdict(list), defaultdict(lambda: [0, 0])
     print(f"references: {data['versions']}; files sha256[:16] {data['sources']}")
     for c in data["cases"]:
         logp, mask, n, p = c["logp"].clone().requires_grad_(), c["mask"], c["lengths"], c["params"]
-        w = gv.token_weights(n, "token-mean", int(mask.sum()), len(n), mask.shape[1])
+        token_weights = partial(script(c["family"]).token_weights, n, n_tokens=int(mask.sum()), n_seqs=len(n))
+        w = token_weights(loss_agg="token-mean", max_len=mask.shape[1])  # the clip fractions' weights
+        weights = token_weights(loss_agg=p.get("agg", "token-mean"), max_len=mask.shape[1])  # the loss's
         token_loss, metrics, selected = ours(c, logp[mask], w)
         factor = 1.0  # TRL's loss of an optimizer step: its tokens / (n_gen ga / spg); ours: / its tokens
         if c["family"] == "trl cispo steps":
             factor = p["spg"] * int(mask.sum()) / (p["ga"] * p["n_gen"])
-        loss = (token_loss * w).sum() * factor
+        loss = (token_loss * weights).sum() * factor
         (grad,) = torch.autograd.grad(loss, logp)
-        ref, scale = c["ref_loss"].item(), max(abs(c["ref_loss"].item()), factor * (token_loss.abs() * w).sum().item())
+        scale = max(abs(c["ref_loss"].item()), factor * (token_loss.abs() * weights).sum().item())
+        ref = c["ref_loss"].item()
+        if "_clipped sequences" in metrics:
+            count = clip_counts[(c["family"], p["low"], p["high"], p["agg"])]
+            count[0], count[1] = count[0] + metrics["_clipped sequences"], count[1] + len(n)
         d = dict(loss=abs(loss.item() - ref), grad=(grad - c["ref_grad"]).abs().max().item())
         d["rel"] = d["loss"] / scale
         d["metric"] = max((abs(metrics[k] - v) for k, v in c["ref_metrics"].items()), default=0.0)
@@ -451,6 +606,10 @@ def check(a) -> int:
             measured = (c["ref_grad"].abs().sum() / (grad / factor).abs().sum()).item()
             e2e = (c["ref_compute_loss_grad"] - c["ref_grad"]).abs().max().item()
             steps[(p["seed"], p["cap"], p["ga"], p["n_gen"])].append((int(mask.sum()), measured, factor, e2e))
+        if c["family"].endswith("lr 12"):  # far_policy's rows: log s = +12 (A > 0, A < 0) and -12 (A > 0)
+            for row, key in ((5, "A>0, log s +12"), (6, "A<0, log s +12"), (2, "A>0, log s -12")):
+                beyond[c["family"]][key].append((grad - c["ref_grad"])[row].abs().max().item())
+                beyond[c["family"]][key + " theirs"].append(c["ref_grad"][row].abs().max().item())
         if c["family"] in BEYOND_FAMILIES:  # the tokens beyond +-20 by advantage sign and log-ratio, and all the others
             log_ratio, adv = (c["logp"] - c["old"]).round(), c["adv"]
             for sign, value in product((1, -1), (25.0, -25.0)):
@@ -475,6 +634,11 @@ def check(a) -> int:
                 theirs = beyond[family].get(key + " theirs")
                 theirs = f" (theirs max|grad| {max(theirs):.3g})" if theirs else ""
                 print(f"    {key:16s} grad max|d| {max(values):.3g}{theirs}")
+        counts = [
+            f"{low:g}/{high:g} {agg} {k} of {m}" for (f, low, high, agg), (k, m) in clip_counts.items() if f == family
+        ]
+        if counts:
+            print("    sequences clipped (ours; eps low/high, loss agg): " + ", ".join(counts))
         if family == "trl cispo steps":
             print(
                 "    TRL's gradient / ours per optimizer step (expected spg N_step / (ga N_gen), spg 4), by generation:"
@@ -498,6 +662,18 @@ def check(a) -> int:
             f"lp-reg min-p {len(data['minp']):3d} cases: proxy log-prob max|d| {d_value:.2g} on the {kept_total} kept"
         )
         print(line + f" tokens of {sum(len(m['labels']) for m in data['minp'])}, kept/outside mismatched {mismatched}")
+    d_adv = 0.0
+    for case in data.get("wr_adv", []):  # W-REINFORCE's advantages on every token, 0 on the padding
+        mine = wr.weighted_advantages(case["rewards"], case["lam"])[:, None] * case["mask"]
+        d = (mine - case["ref_adv"]).abs().max().item()
+        d_adv = max(d_adv, d)
+        if not torch.allclose(mine, case["ref_adv"], rtol=LOSS_RTOL, atol=0):
+            failures.append(f"wr advantage seed {case['seed']} lambda {case['lam']}: max|d| {d:.3g}")
+    if data.get("wr_adv"):
+        cases, lams = data["wr_adv"], sorted({case["lam"] for case in data["wr_adv"]})
+        values = sorted({v for case in cases for v in case["ref_adv"][case["mask"]].tolist()})
+        line = f"wr advantage {len(cases):3d} cases ({len(cases[0]['rewards'])} responses, lambda {lams}): "
+        print(line + f"max|d| {d_adv:.2g}; their values on the response tokens {values}")
     failures += aggregation(data.get("aggregation", []), gv.token_weights)
     if deviations:
         print(f"{len(deviations)} cases of the documented deviations beyond tolerance (not failures)")
@@ -550,6 +726,10 @@ if __name__ == "__main__":
     w.add_argument("--lpreg-dp-actor", help="Lp-Reg-dev 33b27e2 verl/workers/actor/dp_actor.py (the min-p proxy)")
     w.add_argument("--torch-functional", help="either fork's verl/utils/torch_functional.py (default: verl 0.9.1's)")
     w.add_argument("--cegppo-seqlen-balancing", help="CE-GPPO 10558fe verl/utils/seqlen_balancing.py (the layouts)")
+    w.add_argument("--wr-core-algos", help="RLVR-Decomposed a5d4e7c verl/trainer/ppo/core_algos.py (W-REINFORCE)")
+    w.add_argument(
+        "--wr-torch-functional", help="RLVR-Decomposed a5d4e7c verl/utils/torch_functional.py (default: verl 0.9.1's)"
+    )
     sub.add_parser("check", help="compare ours with the references saved in PATH").add_argument("path")
     args = parser.parse_args()
     sys.exit(write(args) if args.mode == "write" else check(args))

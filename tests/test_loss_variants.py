@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from launch import final_weights, read_metrics, run_dir, run_script, script_flags
+from test_remedies import recipe_args
 
 import grpo_gspo as gs
 import grpo_sapo as sa
@@ -183,3 +184,37 @@ def test_on_policy_sapo_and_gspo_are_vanilla_and_wreinforce_trains(testbed, tmp_
         assert m["gspo/seq_clip_frac"] == 0.0 and m["gspo/seq_ratio_dev"] == 0.0
     for m in read_metrics(runs["wr"]):
         assert math.isfinite(m["losses/policy_loss"]) and m["losses/grad_norm"] > 0
+
+
+# ---- the reproduction scripts (benchmarks/reproduce/, docs/fidelity.md): the references' settings, flag for flag ----
+def test_the_sapo_recipe_runs_verls_example():
+    runs = recipe_args("sapo_qwen3_30b.sh")
+    assert set(runs) == {"grpo_vanilla", "grpo_sapo"}
+    for args in runs.values():
+        assert args.num_prompts_per_step == 256 and args.group_size == 16 and args.num_mini_batches == 8
+        assert args.learning_rate == 1e-6 and args.kl_coef == 0 and args.max_response_length == 8192
+        assert args.overlong_buffer_len == 4096 and args.model_name_or_path == "Qwen/Qwen3-30B-A3B-Base"
+    sapo = runs["grpo_sapo"]
+    assert (sapo.sapo_tau_pos, sapo.sapo_tau_neg, sapo.loss_agg) == (1.0, 1.05, "seq-mean-token-mean")
+
+
+def test_the_gspo_recipe_runs_verls_example():
+    runs = recipe_args("gspo_qwen2.5_3b_gsm8k.sh", METHODS="grpo_vanilla grpo_gspo grpo_gspo_trl")
+    assert set(runs) == {"grpo_vanilla", "grpo_gspo", "grpo_gspo_trl"}
+    for args in runs.values():
+        assert args.num_prompts_per_step == 512 and args.group_size == 16 and args.num_mini_batches == 4
+        assert args.learning_rate == 1e-6 and args.warmup_steps == 25 and args.weight_decay == 0.1
+        assert args.loss_agg == "seq-mean-token-mean" and args.kl_coef == 0 and args.dataset == "openai/gsm8k:main"
+    for name, level in (("grpo_gspo", "token"), ("grpo_gspo_trl", "sequence")):
+        assert (runs[name].clip_eps_low, runs[name].clip_eps_high, runs[name].gspo_level) == (3e-4, 4e-4, level)
+
+
+def test_the_wreinforce_recipe_runs_the_authors_settings():
+    runs = recipe_args("wreinforce_qwen2.5_math_7b.sh")
+    assert set(runs) == {"grpo_vanilla", "grpo_wreinforce"}
+    for args in runs.values():
+        assert args.num_prompts_per_step == 1024 and args.group_size == 8 and args.num_mini_batches == 4
+        assert args.learning_rate == 1e-6 and args.max_response_length == 3072 and args.total_steps == 140
+        assert (args.clip_eps_low, args.clip_eps_high, args.loss_agg) == (0.2, 0.2, "token-mean")
+    w = runs["grpo_wreinforce"]
+    assert (w.wr_lambda, w.wr_entropy_coef, w.kl_coef) == (0.1, 0.001, 0) and runs["grpo_vanilla"].kl_coef == 0.001
