@@ -107,7 +107,7 @@ def test_reproduction_scripts_pass_valid_flags(script):
     commands = dry_run(script)
     methods = [method_at(c) for c in commands]
     launched = {c[i] for c, i in zip(commands, methods) if i}
-    known = ("vanilla", "aent", "klcov", "clipcov", "cispo", "cegppo", "lpreg")
+    known = ("vanilla", "aent", "klcov", "clipcov", "cispo", "cegppo", "lpreg", "sapo", "gspo", "wreinforce")
     assert "grpo_vanilla.py" in launched and launched <= {f"grpo_{m}.py" for m in known}
     for c, i in zip(commands, methods):
         if i is not None:
