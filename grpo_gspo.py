@@ -331,7 +331,8 @@ class TokenSelection:
 # ---- GSPO: the sequence's ratio ----
 def sequence_log_ratios(logp, old_logp, lengths) -> torch.Tensor:
     """Each sequence's log s = the mean of its tokens' log-ratios (`lengths`: the micro-batch's response lengths,
-    tokens flat in order), repeated over its tokens."""
+    tokens flat in order; on the CPU, as the collated batch holds them), repeated over its tokens."""
+    lengths = lengths.to(logp.device)
     seq = torch.repeat_interleave(torch.arange(len(lengths), device=logp.device), lengths)
     sums = torch.zeros(len(lengths), dtype=logp.dtype, device=logp.device).index_add(0, seq, logp - old_logp)
     return (sums / lengths.clamp(min=1))[seq]
@@ -351,6 +352,7 @@ def gspo_loss(logp, seq_log_ratio, advantages, eps_low: float, eps_high: float, 
 
 def gspo_sums(sums: dict, seq_log_ratio, clipped, lengths) -> None:
     """Per sequence (its first token): clipped or not, and how far its ratio is from 1."""
+    lengths = lengths.to(clipped.device)
     first = (torch.cumsum(lengths, 0) - lengths)[lengths > 0]
     sums["seqs_clipped"] += clipped[first].sum().double()
     sums["seq_ratio_dev"] += (torch.exp(seq_log_ratio[first].detach()) - 1).abs().sum().double()
