@@ -135,10 +135,13 @@ def _write_problem(error: Exception, where: str) -> str:
     return f"{type(error).__name__} writing {where}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
-def save(engine, run_dir: str, step: int, method_state: dict, args, rank: int, final=False, consumed=None, launch=None):
+def save(
+    engine, run_dir: str, step: int, method_state: dict, args, rank: int, final: bool, consumed: int, launch
+) -> bool:
     """Write a checkpoint to a temporary directory with every file's size and sha256, then rename it: a crash never
     leaves a partial step_* dir; older checkpoints are rotated only after the new one is complete. Every rank must hold
-    the same step, method state and `consumed` (the prompts of the stream used: utils.rollouts) (checked here).
+    the same step, method state and `consumed` (the prompts of the stream used: utils.rollouts) (checked here); beside
+    rollout ranks a trainer's batches in flight go with it (`launch`, utils/split_launch.py: nothing where colocated).
 
     It is checked first that the disk has room for it. A checkpoint that cannot be written (no room, or a write error
     such as a full disk) leaves no partial directory behind; a periodic one is skipped with a warning naming the
@@ -174,8 +177,7 @@ def save(engine, run_dir: str, step: int, method_state: dict, args, rank: int, f
             try:
                 rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
                 torch.save({"state": state, **rng}, os.path.join(tmp, f"rng_rank{rank}.pt"))
-                if launch is not None:  # the batches in flight beside rollout ranks (--max-staleness)
-                    launch.save_in_flight(tmp)
+                launch.save_in_flight(tmp)  # beside rollout ranks: the batches in flight (--max-staleness)
             except (OSError, RuntimeError) as e:
                 problem = _write_problem(e, tmp)
         problem = _first_problem(problem)
