@@ -10,8 +10,9 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import groups
 
-from .split_launch import SplitLaunch, reason
+from .split_launch import TIMEOUT, SplitLaunch, reason
 from .versions import too_old
 
 
@@ -39,7 +40,11 @@ def init_distributed(rollout_ranks: int = 0):
         device = torch.device("cpu")
     # with rollout ranks, two torch.distributed worlds: the trainers' and the rollout ranks'
     launch = SplitLaunch(rollout_ranks, accelerator.communication_backend_name(), device)
-    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
+    # every group on TIMEOUT: DeepSpeed's default is 10 minutes (deepspeed/constants.py l. 19, comm/comm.py l. 848), and
+    # a new_group given no timeout takes torch's default of its backend, not the world's (distributed_c10d.py l. 5982)
+    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), timeout=TIMEOUT)
+    if not launch.serving:  # ZeRO's data-parallel group, a copy of the world that DeepSpeed makes without a timeout
+        groups._WORLD_GROUP = dist.new_group(list(range(dist.get_world_size())), timeout=TIMEOUT)  # groups.py l. 734
     if world_size > 1:
         one_line_when_a_peer_is_gone(rank)
     return rank, local_rank, world_size - rollout_ranks, device, on_gpu, launch
@@ -90,5 +95,5 @@ def tensor_parallel_group(tp: int, launch: SplitLaunch):
     trainers beside rollout ranks); every rank creates every group, in the same order, as torch.distributed requires."""
     if tp == 1 or launch.trains:
         return None
-    groups = [dist.new_group(list(range(g, g + tp))) for g in range(0, dist.get_world_size(), tp)]
-    return groups[dist.get_rank() // tp]
+    made = [dist.new_group(list(range(g, g + tp)), timeout=TIMEOUT) for g in range(0, dist.get_world_size(), tp)]
+    return made[dist.get_rank() // tp]

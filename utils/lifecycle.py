@@ -6,6 +6,7 @@ import os
 import signal
 import time
 
+import deepspeed.comm
 import torch
 import torch.distributed as dist
 
@@ -82,8 +83,8 @@ def shutdown(sampler, launch) -> None:
         sampler.close()
     elif sampler is not None:
         close_engine(sampler)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if dist.is_initialized():  # DeepSpeed's, which also drops its references to the groups (its data-parallel group)
+        deepspeed.comm.destroy_process_group()  # deepspeed/comm/comm.py l. 187-196
     launch.close()  # their gloo threads joined before the interpreter's exit, which would abort one still busy
 
 

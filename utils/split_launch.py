@@ -32,8 +32,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-LINK_TIMEOUT = timedelta(hours=2)
-"""How long a process waits for the other side (a batch, a command) before it fails: a long generation's time."""
+TIMEOUT = timedelta(hours=2)
+"""How long a collective, a message or a store key is waited for before the process fails, in every process group the
+launch makes (here, utils/distributed.py): a generation round of a long-context recipe (trainer 0 waits in the weight
+push while the other trainers wait in a collective), rank 0's save of a 32B model behind a barrier. torch's own
+defaults are 10 minutes for NCCL, 30 for gloo (torch/distributed/distributed_c10d.py l. 1623), DeepSpeed's 10."""
 
 
 class SplitLaunch:
@@ -58,23 +61,24 @@ class SplitLaunch:
         self.serving = rank >= self.trainers  # a rollout rank
         self.rollout_peer = f"rollout rank {self.trainers}" if rollouts == 1 else "a rollout rank"
         host = rank == 0 and not os.environ.get("TORCHELASTIC_USE_AGENT_STORE")  # torchrun's agent hosts one
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, host, timeout=LINK_TIMEOUT
-        )
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, host, timeout=TIMEOUT)
         # the two worlds: what DeepSpeed and vLLM see as torch.distributed
         world, sub_rank = ("rollouts", rank - self.trainers) if self.serving else ("trainers", rank)
         sub_size = rollouts if self.serving else self.trainers
         os.environ.update(RANK=str(sub_rank), WORLD_SIZE=str(sub_size))  # vLLM's external launcher reads them
-        dist.init_process_group(backend, store=dist.PrefixStore(world, store), rank=sub_rank, world_size=sub_size)
-        self.bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), rank, size, LINK_TIMEOUT)
+        # DeepSpeed keeps this world as it is (deepspeed/comm/torch.py l. 267): its timeout is the one given here
+        dist.init_process_group(
+            backend, store=dist.PrefixStore(world, store), rank=sub_rank, world_size=sub_size, timeout=TIMEOUT
+        )
+        self.bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), rank, size, TIMEOUT)
         if self.serving or rank == 0:  # link rank 0: trainer 0; the other trainers have no link
             link_rank = rank - self.trainers + 1 if self.serving else 0
             link_store = dist.PrefixStore("link", store)
-            self.link = dist.ProcessGroupGloo(link_store, link_rank, rollouts + 1, LINK_TIMEOUT)
+            self.link = dist.ProcessGroupGloo(link_store, link_rank, rollouts + 1, TIMEOUT)
             self.weights = self.link  # the weights' group: gloo on CPUs, NCCL on GPUs (not run)
             if device.type == "cuda":
                 options = dist.ProcessGroupNCCL.Options()
-                options._timeout = LINK_TIMEOUT
+                options._timeout = TIMEOUT
                 nccl_store = dist.PrefixStore("weights", store)
                 self.weights = dist.ProcessGroupNCCL(nccl_store, link_rank, rollouts + 1, options)
 
