@@ -64,7 +64,8 @@ def check_bucket(args, model_dir: str, rank: int, world_size: int) -> None:
 
 
 def check_bf16(args, model_dir: str, rank: int, world_size: int) -> None:
-    """The config a GPU gets (bf16 weights), on CPU."""
+    """The config a GPU gets (bf16 weights), on CPU: under ZeRO-3 with DeepSpeed's persistence threshold, below which
+    every tensor of the testbed model stays whole on each rank (tests/test_zero3_bf16.py partitions them in bf16)."""
     config = models.deepspeed_config(args, True, 2)
     model = models.load_model(args, torch.bfloat16, config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -1,6 +1,7 @@
 """The policy being trained: the HF model as a DeepSpeed engine (its config, ZeRO-3 loading, AdamW and the LR
 schedule), the frozen reference policy, the output head's call count under ZeRO-3, and HF generate (--no-use-vllm)."""
 
+import copy
 import math
 
 import deepspeed
@@ -31,29 +32,42 @@ overlap_comm DeepSpeed keeps several buckets in flight (its docs: ~4.5x the buck
 that is ~0.9 GB here instead of ~9 GB."""
 
 
+def train_dtype(args, on_gpu: bool) -> torch.dtype:
+    """The weights' dtype, --dtype: "auto" is bf16 on GPUs and fp32 on a CPU (the CPU tests); "bfloat16" on a CPU
+    rehearses a GPU run's numerics (DeepSpeed's CPU accelerator takes bf16)."""
+    dtype = getattr(args, "dtype", "auto")
+    if dtype == "auto":
+        return torch.bfloat16 if on_gpu else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+
+
 def deepspeed_config(args, on_gpu: bool, grad_accum: int) -> dict:
-    """The DeepSpeed config of the policy. On GPUs the weights are bf16 but gradients are accumulated over the
+    """The DeepSpeed config of the policy. With bf16 weights (train_dtype) gradients are accumulated over the
     micro-batches and reduced over the ranks in fp32 (DeepSpeed's default for both is the weights' dtype: up to 8
-    micro-batches x 8 ranks of bf16 roundings per update at the defaults), and each bucket's reduction overlaps the
+    micro-batches x 8 ranks of bf16 roundings per update at the defaults); on GPUs each bucket's reduction overlaps the
     rest of the backward pass (DeepSpeed turns overlap_comm on for ZeRO-3 only by default)."""
     offload = {"device": "cpu"} if args.offload else {"device": "none"}
     zero = {"stage": args.zero_stage, "offload_optimizer": offload, "reduce_bucket_size": BUCKET_ELEMENTS}
     if args.zero_stage == 3:
         zero |= {
             "offload_param": offload,
-            "stage3_param_persistence_threshold": 0,
             "stage3_gather_16bit_weights_on_model_save": True,
             # zero.Init would replace torch.nn.functional.linear for the whole process (DeepSpeed 0.19.8
             # partition_parameters.py l. 411-419, never restored), and vLLM looks that name up on every matmul
             "memory_efficient_linear": False,
         }
+        if not on_gpu:
+            # every parameter partitioned: the CPU tests' tiny models are made of tensors below DeepSpeed's default
+            # threshold (1e5 elements), which stay whole on every rank, so ZeRO-3 would partition nothing there. On
+            # GPUs the default keeps the small ones (biases, norms) resident instead of gathering them every forward
+            zero["stage3_param_persistence_threshold"] = 0
     else:
         zero["allgather_bucket_size"] = BUCKET_ELEMENTS
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": args.max_grad_norm,
-        "bf16": {"enabled": on_gpu},
+        "bf16": {"enabled": train_dtype(args, on_gpu) == torch.bfloat16},
         "data_types": {"grad_accum_dtype": "fp32"},
         "communication_data_type": "fp32",
         "zero_optimization": zero | {"overlap_comm": on_gpu},  # on CPU (gloo) there is no stream to overlap on
@@ -74,15 +88,61 @@ def load_model(args, dtype, ds_config: dict):
         from transformers.integrations import HfDeepSpeedConfig
 
         _zero3_loading = HfDeepSpeedConfig(ds_config)
-    return AutoModelForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         args.model_name_or_path, dtype=dtype, attn_implementation=args.attn_implementation
     )
+    if args.zero_stage == 3:
+        restore_buffers(model, dtype)
+    return model
+
+
+def restore_buffers(model, dtype) -> list:
+    """Give every buffer of a model loaded under ZeRO-3 the dtype and value it has in a plain load; returns the names
+    of those changed. zero.Init casts every floating tensor made while the model is built to the training dtype (its
+    wrappers of torch.arange, tensor, zeros, ones, full, empty, eye, randn and Tensor.__new__: DeepSpeed 0.19.8
+    runtime/zero/partition_parameters.py l. 263-292, 637-672), so the rotary inv_freq that transformers computes in
+    fp32 (torch.arange(..., dtype=torch.float): 5.19 models/qwen2/modeling_qwen2.py l. 83) is computed and kept in
+    bf16, and the trainer rotates positions other than vLLM's. deepspeed.initialize leaves buffers as they are (0.19.8
+    runtime/engine.py l. 2084-2088, 1870-1875: cast only with a buffer_dtype set): they are mended here, before it.
+
+    The reference is the model built again outside zero.Init in the plain load's default dtype (transformers sets it
+    to `dtype` while it builds: 5.19 modeling_utils.py l. 3738), parameters on the meta device (accelerate's
+    init_empty_weights: no memory), buffers real. A non-persistent buffer (inv_freq, original_inv_freq, Gemma's
+    embed_scale) takes the rebuilt tensor where its dtype or value differs. A persistent one holds the checkpoint's
+    value, copied into the buffer as zero.Init made it (transformers 5.19 integrations/deepspeed.py l. 513-520; a plain
+    load casts it to the buffer's dtype too: core_model_loading.py l. 1702); if zero.Init changed that dtype, the
+    value was rounded on the way in and cannot be restored from it: an error names the buffer (Qwen2, Qwen3 and Llama
+    have none)."""
+    from accelerate import init_empty_weights
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with init_empty_weights(include_buffers=False):
+            plain = type(model)(copy.deepcopy(model.config))
+    finally:
+        torch.set_default_dtype(default)
+    plain_buffers, changed = dict(plain.named_buffers(remove_duplicate=False)), []
+    for name, buffer in model.named_buffers(remove_duplicate=False):  # a buffer shared by modules: under each name
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        reference = plain_buffers[name].to(buffer.device)
+        if leaf not in module._non_persistent_buffers_set:
+            if buffer.dtype != reference.dtype:
+                raise ValueError(
+                    f"ZeRO-3 loading made the persistent buffer {name} {buffer.dtype} (a plain load: "
+                    f"{reference.dtype}); its checkpoint value was rounded to it and cannot be restored"
+                )
+        elif buffer.dtype != reference.dtype or not torch.equal(buffer, reference):
+            module._buffers[leaf] = reference
+            changed.append(name)
+    return changed
 
 
 def make_policy(args, on_gpu: bool, grad_accum: int, updates_per_step: int):
     """The policy being trained as a DeepSpeed engine (AdamW, the LR schedule), and the frozen reference policy
     (only with --kl-coef > 0)."""
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    dtype = train_dtype(args, on_gpu)
     ds_config = deepspeed_config(args, on_gpu, grad_accum)
     model = load_model(args, dtype, ds_config)
     if args.gradient_checkpointing:
@@ -96,7 +156,7 @@ def make_policy(args, on_gpu: bool, grad_accum: int, updates_per_step: int):
         return policy, scheduler, None
     ref_config = {
         "train_micro_batch_size_per_gpu": args.micro_batch_size,
-        "bf16": {"enabled": on_gpu},
+        "bf16": {"enabled": dtype == torch.bfloat16},
         "zero_optimization": {"stage": args.zero_stage if args.zero_stage == 3 else 0},
     }
     ref_policy = deepspeed.initialize(model=load_model(args, dtype, ds_config), config=ref_config)[0]
