@@ -379,10 +379,11 @@ def cegppo_metrics(g: dict, sft: bool, updates_per_step: int) -> dict:
     return metrics | ({"cegppo/sft_nll": g["sft_nll"] / updates_per_step} if sft else {})
 
 
-def correct_tokens(samples: list, graded: list, lengths) -> torch.Tensor:
-    """1 on every token of the micro-batch's responses (sample indices `samples`, their `lengths`) graded correct."""
-    correct = torch.tensor([float(graded[k][0] == 1) for k in samples], device=lengths.device)
-    return correct.repeat_interleave(lengths)
+def correct_tokens(samples: list, graded: list, lengths, device) -> torch.Tensor:
+    """1 on every token of the micro-batch's responses (sample indices `samples`, their `lengths`) graded correct, on
+    `device` (the log-probs'; a collated batch keeps its lengths on the CPU)."""
+    correct = torch.tensor([float(graded[k][0] == 1) for k in samples], device=device)
+    return correct.repeat_interleave(lengths.to(device))
 
 
 class Sample(NamedTuple):
@@ -546,7 +547,7 @@ if __name__ == "__main__":
                 )
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
                 if args.cegppo_sft_coef:  # CE-GPPO's SFT term: a mean over the mini-batch's correct tokens, all ranks
-                    correct = {i: correct_tokens(indices[i], graded, batches[i]["lengths"]) for i in mb}
+                    correct = {i: correct_tokens(indices[i], graded, batches[i]["lengths"], device) for i in mb}
                     n_correct = distributed.all_reduce_sums({"n": sum(c.sum() for c in correct.values())}, device)["n"]
                 selector.start(mb, entropies, bool(epoch or m), (logprobs, policy, batches))  # 80/20 rule, global scope
                 for i in mb:

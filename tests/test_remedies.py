@@ -176,7 +176,7 @@ def test_cegppo_branch_gradients_split_the_gradient(c):
 
 def test_cegppo_correct_tokens_mark_every_token_of_the_correct_responses():
     graded = [(1.0, "correct"), (0.0, "wrong"), (1.0, "correct"), (0.5, "shaped")]
-    mask = ce.correct_tokens([2, 1, 3, 0], graded, torch.tensor([2, 3, 1, 2]))
+    mask = ce.correct_tokens([2, 1, 3, 0], graded, torch.tensor([2, 3, 1, 2]), torch.device("cpu"))
     assert mask.tolist() == [1, 1, 0, 0, 0, 0, 1, 1]
 
 

@@ -1,0 +1,271 @@
+"""A method script's run with every tensor's device followed as on a GPU: a CPU tensor meeting an accelerator tensor
+stops the run with the GPU's error, on a CPU-only machine.
+
+    python tests/device_rehearsal.py grpo_vanilla.py [flags]   (or under torch.distributed.run; tests/test_device.py)
+
+On a CPU every tensor is on the one device, so a tensor the code forgot to move (made without `device=`, or on
+`lengths.device` of a collated batch, which stays on the CPU) runs here and crashes on the first GPU (GSPO before
+e2a7afc, CE-GPPO's SFT term before its fix). The rehearsal gives the run two devices again:
+- the accelerator is `cpu:0`: the script's `device` (utils.distributed.init_distributed returns it here), DeepSpeed's
+  `engine.device`, every parameter and buffer of the models DeepSpeed wraps, and what the repository's code makes
+  with `device=` one of them or `.to()` them; `x.device`, asked by the repository's code, answers `cpu:0` for them;
+- the host is plain `cpu`: what torch makes without a device (torch.tensor(list), arange, ...), `.cpu()`.
+A torch function mode follows each tensor from where it is made through every torch call, libraries' included, and
+applies a CUDA device's rules (aten's same-device checks): a call over tensors of both devices raises
+`DeviceMixError` naming the line, except what CUDA allows (a 0-dim CPU tensor as an operand, CPU indices in
+`x[index]`, `copy_` and the moves); so does a collective of a host tensor (NCCL takes GPU tensors only) and `.numpy()`
+of an accelerator tensor. A `.to(device)` that moves a tensor returns a copy, as it does on a GPU, so the CPU original
+keeps its device.
+
+What it cannot reach: the vLLM engine and HF generate inside (run outside the rehearsal: the CPU build's kernels and
+tensors differ from the GPU build's, and transformers' token loop is theirs), kernels' internals, autograd's own
+tensors (gradients carry no device here), and code a run does not execute (tests/test_device.py runs each flag that
+changes the step's path). A library that names the device "cpu" (DeepSpeed's CPU accelerator) makes tensors of
+unknown device: they never raise, and neither does a library's code that mixes devices on its own.
+"""
+
+import os
+import runpy
+import sys
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ACCELERATOR = torch.device("cpu", 0)  # the rehearsal's accelerator: an index tells it apart from the host
+DEV, HOST = "accelerator", "host"  # a tensor's device; untagged: unknown (never raises)
+TORCH = os.path.dirname(torch.__file__)
+MOVES_ACROSS = {"copy_", "to", "cpu", "cuda", "tolist", "item", "__getitem__", "__setitem__", "index_put_", "numpy"}
+"""calls that CUDA lets take a tensor of the other device (copy_, the moves, reads; x[index] takes CPU indices)"""
+
+
+class DeviceMixError(RuntimeError):
+    pass
+
+
+DEVICES = WeakIdKeyDictionary()  # tensor -> DEV or HOST, beside the tensor (its __dict__ is copied by libraries)
+
+
+def device_of(t):
+    return DEVICES.get(t)
+
+
+def put(t, device) -> None:
+    DEVICES[t] = device
+
+
+def kind(device):
+    """A device argument's kind: an index or a GPU type is the accelerator; plain "cpu" the host in our code, unknown
+    in a library's (DeepSpeed's CPU accelerator names its device "cpu")."""
+    if device is None:
+        return HOST
+    if isinstance(device, int):
+        return DEV
+    if isinstance(device, str) and device not in ("cpu", "cuda") and not device.startswith(("cpu:", "cuda:")):
+        return None  # .to("float")-like spellings: not a device
+    device = torch.device(device)
+    if device.type != "cpu" or device.index is not None:
+        return DEV
+    return HOST if caller()[1] else None
+
+
+def caller():
+    """(file:line, ours) of the first frame outside torch and this file that made the call; ours: a file of this
+    repository."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith((TORCH, __file__)):
+        frame = frame.f_back
+    if frame is None:
+        return "?", False
+    path = frame.f_code.co_filename
+    ours = path.startswith(ROOT) and os.sep + ".venv" + os.sep not in path
+    return f"{os.path.relpath(path, ROOT) if ours else path}:{frame.f_lineno}", ours
+
+
+def describe(t) -> str:
+    return f"{device_of(t) or 'unknown'} tensor {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+
+
+def tensors_in(args, kwargs) -> list:
+    """The tensors among a call's arguments (and in its lists and tuples: cat, stack, where)."""
+    found = []
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, (list, tuple)):
+            found += [y for y in x if isinstance(y, torch.Tensor)]
+    return found
+
+
+class Rehearsal(TorchFunctionMode):
+    """Follows every tensor's device through the torch calls (see the module's docstring); `counts`: the calls it
+    checked, and those with an accelerator tensor among their arguments (a run that never meets one proves nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {"checked": 0, "on_accelerator": 0}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # an attribute: x.device asked by our code answers the rehearsal's device
+            if func.__self__ is torch._C.TensorBase.device:
+                asked = sys._getframe(1).f_code.co_filename  # by our code itself, not through torch (checkpoint's)
+                ours = asked.startswith(ROOT) and os.sep + ".venv" + os.sep not in asked
+                return ACCELERATOR if device_of(args[0]) == DEV and ours else func(*args)
+            out = func(*args)
+            if isinstance(out, torch.Tensor) and device_of(args[0]) is not None:  # x.data, x.T, x.grad
+                put(out, device_of(args[0]))
+            return out
+        inputs = tensors_in(args, kwargs)
+        target = self.target(name, args, kwargs, inputs)
+        if target is False:  # not a move: the devices must agree
+            self.check(name, inputs)
+            devices = {device_of(x) for x in inputs}
+            self.counts["checked"] += 1
+            self.counts["on_accelerator"] += DEV in devices
+            target = DEV if DEV in devices else HOST if HOST in devices or not inputs else None
+        if name == "numpy" and device_of(args[0]) == DEV:
+            raise DeviceMixError(
+                f"{caller()[0]}: .numpy() of an {describe(args[0])} (on a GPU: move it to the CPU first)"
+            )
+        out = func(*args, **kwargs)
+        if target is not None and name not in ("tolist", "item", "numpy"):
+            out = self.tag(out, target, inputs)
+        return out
+
+    @staticmethod
+    def target(name, args, kwargs, inputs):
+        """The device a call puts its result on when it says so (a move, a factory's device=), else False."""
+        if name == "cpu":
+            return HOST
+        if name == "cuda":
+            return DEV
+        if name == "to":
+            for x in list(args[1:]) + [kwargs.get("device"), kwargs.get("other")]:
+                if isinstance(x, torch.Tensor):
+                    return device_of(x)
+                if isinstance(x, (torch.device, str, int)):
+                    return kind(x)
+            return device_of(args[0]) if args else None
+        if "device" in kwargs:
+            if kwargs["device"] is None and inputs:  # new_*/*_like without a device: the input's
+                return device_of(inputs[0])
+            return kind(kwargs["device"])
+        if name.startswith("new_") or name.endswith("_like"):
+            return device_of(inputs[0]) if inputs else HOST
+        if name in ("tensor", "as_tensor") and args and not isinstance(args[0], torch.Tensor):
+            return HOST
+        return False
+
+    @staticmethod
+    def check(name, inputs):
+        if name in MOVES_ACROSS or name.startswith("__get"):
+            return
+        on_dev = [x for x in inputs if device_of(x) == DEV]
+        on_host = [x for x in inputs if device_of(x) == HOST and x.dim() > 0]  # a 0-dim CPU tensor is a scalar to CUDA
+        if on_dev and on_host:
+            raise DeviceMixError(
+                f"{caller()[0]}: {name}() mixes devices: a {describe(on_host[0])} meets an {describe(on_dev[0])} "
+                f"(on a GPU: 'Expected all tensors to be on the same device')"
+            )
+
+    @staticmethod
+    def tag(out, target, inputs):
+        """Put the results on `target`; a result that is an input on another device (a move that torch made a no-op
+        on the one CPU) becomes a copy, as it is on a GPU."""
+        if isinstance(out, torch.Tensor):
+            if any(out is x for x in inputs) and device_of(out) not in (target, None):
+                with torch._C.DisableTorchFunction():
+                    out = out.clone()
+            put(out, target)
+            return out
+        if isinstance(out, (tuple, list)):  # several results (split, sort's values and indices): tagged in place
+            for x in out:
+                if isinstance(x, torch.Tensor):
+                    Rehearsal.tag(x, target, [])
+        return out
+
+
+def on_accelerator(module) -> None:
+    """Every parameter and buffer of a model on the rehearsal's accelerator (where DeepSpeed puts them on a GPU)."""
+    for t in [*module.parameters(), *module.buffers()]:
+        put(t, DEV)
+
+
+def install() -> Rehearsal:
+    """Wire the rehearsal into the run: the script's device is the accelerator, DeepSpeed's engines put their models
+    there, collectives take accelerator tensors only, vLLM's engine runs outside the rehearsal."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from utils import distributed
+
+    init = distributed.init_distributed
+
+    def init_on_accelerator(*a, **k):
+        rank, local_rank, world_size, device, on_gpu, launch = init(*a, **k)
+        launch.device = ACCELERATOR if getattr(launch, "device", None) is not None else None
+        return rank, local_rank, world_size, ACCELERATOR, on_gpu, launch
+
+    distributed.init_distributed = init_on_accelerator
+    initialize = deepspeed.initialize
+
+    def initialize_on_accelerator(*a, **k):
+        engine, *rest = initialize(*a, **k)
+        engine.device = ACCELERATOR  # DeepSpeed's engine.device (its accelerator's name: "cpu" on a CPU)
+        on_accelerator(engine.module)
+        return (engine, *rest)
+
+    deepspeed.initialize = initialize_on_accelerator
+
+    def device_tensors_only(collective):
+        def wrapper(*a, **k):
+            where, _ = caller()
+            for t in tensors_in(a, k):
+                if device_of(t) == HOST:
+                    raise DeviceMixError(
+                        f"{where}: dist.{collective.__name__}() of a {describe(t)} (NCCL takes GPU tensors only)"
+                    )
+            return collective(*a, **k)
+
+        return wrapper
+
+    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter", "all_to_all"):
+        setattr(dist, name, device_tensors_only(getattr(dist, name)))
+    from transformers.generation.utils import GenerationMixin
+
+    GenerationMixin.generate = outside(GenerationMixin.generate)  # --no-use-vllm: transformers' own token loop
+    try:
+        from vllm import LLM
+    except ImportError:
+        return Rehearsal()
+    for name in ("__init__", "generate", "apply_model", "sleep", "wake_up", "reset_prefix_cache", "collective_rpc"):
+        setattr(LLM, name, outside(getattr(LLM, name)))
+    return Rehearsal()
+
+
+def outside(method):
+    """`method` run outside the rehearsal (a library's own machinery, not the step's tensors)."""
+
+    def wrapper(*a, **k):
+        with torch._C.DisableTorchFunction():
+            return method(*a, **k)
+
+    return wrapper
+
+
+if __name__ == "__main__":
+    script, sys.argv = sys.argv[1], sys.argv[1:]
+    sys.path.insert(0, ROOT)
+    rehearsal = install()
+    try:
+        with rehearsal:
+            runpy.run_path(script, run_name="__main__")
+    finally:  # the test reads it: a rehearsal that met no accelerator tensor checked nothing
+        print(
+            f"device rehearsal: {rehearsal.counts['checked']} calls checked, "
+            f"{rehearsal.counts['on_accelerator']} with accelerator tensors",
+            file=sys.stderr,
+        )
