@@ -129,7 +129,8 @@ def step_metrics(g: dict, args, grad_norms: list, skipped: int, scheduler, step_
 def sample_entropies(logprobs, policy, tokenizer, prompts: list, samples: list, n: int, micro_batch_size: int) -> list:
     """Each sample's summed token entropy under the policy (`logprobs`: the script's log-prob function; samples: n per
     prompt, prompt-major), micro-batch by micro-batch; ZeRO-3 gathers the weights per forward, so every rank calls
-    the model equally often (past its own samples, with empty micro-batches)."""
+    the model equally often (past its own samples, with empty micro-batches). The vLLM engine is awake meanwhile: the
+    forward's activations come on top of its budget (benchmarks/results/gpu_memory_plan.md counts them)."""
     mbs, device, entropies = micro_batch_size, policy.device, []
     calls = torch.tensor([math.ceil(len(samples) / mbs)], device=device)
     dist.all_reduce(calls, op=dist.ReduceOp.MAX)

@@ -18,16 +18,39 @@ def import_vllm():
     """vLLM's LLM class, its engine in this process (no engine-core subprocess), or a one-line error without vLLM.
     The objects alive now (modules, the policy) are frozen out of the cyclic garbage collector's reach: vLLM's start-up
     collects the whole heap six times (model loading, the cache profiling, its own gc.freeze), ~2 s of a CPU start.
-    They are unfrozen at exit (the engine's shutdown does it too): an error exit then ends with its one line, not with
-    nanobind's report of the objects a frozen heap leaves behind."""
+    The heap is collected first: gc.freeze moves every object the collector tracks to the permanent generation,
+    unreachable cycles too, which no later collection frees (not vLLM's before its memory snapshot either: GPU memory
+    such a cycle holds would stay taken for the whole run). They are unfrozen at exit (the engine's shutdown does it
+    too): an error exit then ends with its one line, not with nanobind's report of the objects a frozen heap leaves
+    behind."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         from vllm import LLM
     except ImportError:
         raise SystemExit("error: vLLM is not installed; install it (requirements.txt) or pass --no-use-vllm")
+    gc.collect()  # garbage frozen with the rest would live to the end: cycles holding tensors (GPU memory) included
     gc.freeze()
     atexit.register(gc.unfreeze)
     return LLM
+
+
+VLLM_TP_COMMUNICATORS = 2**30
+"""Bytes vLLM 0.33 allocates for a tensor-parallel group (--vllm-tensor-parallel-size > 1) before its own memory
+check, which therefore needs them free on top of its budget (vllm/v1/worker/gpu_worker.py l. 504-510, then 532-544):
+the group's NCCL communicator (vllm/distributed/device_communicators/cuda_communicator.py l. 108; NCCL's buffers,
+0.5-0.7 GB on 2-4 NVLink GPUs, NVIDIA/nccl#964), custom all-reduce's IPC buffers (custom_all_reduce.py l. 296-317: up to
+2 x 64 MiB + 8 MiB at TP 2 on an H100, all_reduce_utils.py l. 31) and torch symmetric memory (symm_mem.py l. 92,
+64 MiB at TP 2 on an H100, all_reduce_utils.py l. 58). None at TP 1: vLLM's groups of one rank get no device
+communicator (vllm/distributed/parallel_state.py l. 550)."""
+
+
+def create_cublas_handles(dtype=torch.bfloat16) -> None:
+    """cuBLAS and cuBLASLt handles of this GPU, created as vLLM 0.33 creates them before its memory snapshot
+    (vllm/v1/worker/gpu_worker.py l. 526-529: mm uses cuBLAS, linear with a bias cuBLASLt), so that the memory they take
+    outside PyTorch's allocator is gone before check_vllm_memory measures, as it is when vLLM does."""
+    x = torch.ones(16, 16, dtype=dtype, device=torch.cuda.current_device())
+    torch.mm(x, x)
+    torch.nn.functional.linear(x, x, x[0])
 
 
 def check_vllm_memory(args, on_gpu: bool, policy=None) -> None:
@@ -37,12 +60,17 @@ def check_vllm_memory(args, on_gpu: bool, policy=None) -> None:
     weights (and ZeRO-2's fp32 master partition) are resident by then, while its optimizer states and gradient buffers
     are allocated at the first step, when a sleeping engine has released its memory; it maps its whole budget back on
     every wake (vllm/device_allocator/cumem.py), so the budget must leave room for them too (later_training_bytes of
-    `policy`, the DeepSpeed engine: the hint, and a warning when the budget leaves too little)."""
+    `policy`, the DeepSpeed engine: the hint, and a warning when the budget leaves too little). vLLM measures after
+    allocating its cuBLAS handles (created here first, create_cublas_handles) and its tensor-parallel communicators
+    (VLLM_TP_COMMUNICATORS, counted as already taken): without them a budget within ~1 GB of the free memory passed
+    here and failed in vLLM's traceback."""
     if not on_gpu:
         return
+    create_cublas_handles()
     torch.cuda.empty_cache()  # as vLLM does before its snapshot: cached but unused blocks count as free
     free, total = torch.cuda.mem_get_info()
     fraction, gib = args.vllm_gpu_memory_utilization, 2**30
+    ahead = VLLM_TP_COMMUNICATORS if args.vllm_tensor_parallel_size > 1 else 0  # vLLM's, before its own check
     later, assumed = 0, "nothing for the training state DeepSpeed allocates at the first step (no policy given)"
     if policy is not None:
         sizes = [getattr(p, "ds_numel", p.numel()) for p in policy.module.parameters()]  # ZeRO-3: the full size
@@ -53,14 +81,17 @@ def check_vllm_memory(args, on_gpu: bool, policy=None) -> None:
             f"{', on the CPU with --offload' if args.offload else ''}), 2 fp32 reduce buckets, the largest "
             f"parameter's fp32 gradient; activations not counted"
         )
-    hint = f"lower it to at most {(free - later) / total - 0.02:.2f} ({assumed})"
-    if free < fraction * total:
+    if ahead:
+        assumed += f"; {ahead / gib:.1f} GiB for vLLM's tensor-parallel communicators"
+    hint = f"lower it to at most {(free - ahead - later) / total - 0.02:.2f} ({assumed})"
+    if free - ahead < fraction * total:
         raise SystemExit(
             f"error: --vllm-gpu-memory-utilization {fraction} asks for {fraction * total / gib:.1f} GiB of the GPU's "
-            f"{total / gib:.1f} GiB, but {free / gib:.1f} GiB are free after the DeepSpeed engine: {hint}, or make "
-            f"the policy smaller per GPU (--zero-stage 3, --offload)"
+            f"{total / gib:.1f} GiB, but {free / gib:.1f} GiB are free after the DeepSpeed engine"
+            f"{f' and {ahead / gib:.1f} GiB go to the communicators vLLM creates first' if ahead else ''}: {hint}, or "
+            f"make the policy smaller per GPU (--zero-stage 3, --offload)"
         )
-    if free - later < fraction * total and dist.get_rank() == 0:
+    if free - ahead - later < fraction * total and dist.get_rank() == 0:
         print(
             f"warning: --vllm-gpu-memory-utilization {fraction} ({fraction * total / gib:.1f} GiB) is free now, but "
             f"the first wake after training may run out of memory: {hint}"
@@ -131,20 +162,40 @@ def make_sampler(args, rank: int, on_gpu: bool, policy, launch):
         enable_prefix_caching=True,
         enforce_eager=not on_gpu,  # on CPU, graph compilation costs more start-up than it saves
         enable_chunked_prefill=on_gpu,  # vLLM-CPU fails to rewind a seeded sampler after a partial prefill
-        enable_sleep_mode=on_gpu and args.vllm_sleep_level > 0,
+        # a rollout rank's engine never sleeps (utils/generation_server.py): sleep mode would only route its weights and
+        # KV cache through vLLM's CuMem allocator (0.33 config/model.py l. 666-673, v1/worker/gpu_worker.py l. 396-417)
+        enable_sleep_mode=on_gpu and args.vllm_sleep_level > 0 and not launch.serving,
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
     )
 
 
+def push_groups(params: list) -> list:
+    """Consecutive (name, parameter) pairs of `params` in groups of at most the largest parameter's bytes (ZeRO-3:
+    full sizes): push_weights gathers and loads a group at once, so its peak is what one parameter at a time reached,
+    with a gather and a load per group instead of per tensor. Made from names and shapes alone: every rank forms the
+    same groups, in the same order (a ZeRO-3 gather is collective)."""
+    sizes = [getattr(p, "ds_numel", p.numel()) * p.element_size() for _, p in params]
+    budget, groups, group_bytes = max(sizes, default=0), [], 0
+    for pair, size in zip(params, sizes):
+        if not groups or group_bytes + size > budget:
+            groups.append([])
+            group_bytes = 0
+        groups[-1].append(pair)
+        group_bytes += size
+    return groups
+
+
 def push_weights(policy, sampler, zero_stage: int, wake: bool = False) -> None:
-    """Copy the policy's current weights into the local vLLM sampler (ZeRO-3: gathered one parameter at a time);
-    `wake`: the sampler sleeps, so first wake its weights, and afterwards its KV cache."""
+    """Copy the policy's current weights into the local vLLM sampler, a group of parameters at a time (push_groups;
+    ZeRO-3: each group gathered at once); `wake`: the sampler sleeps, so first wake its weights, and afterwards its KV
+    cache."""
     if wake:
         torch.cuda.empty_cache()  # the engine re-maps its memory outside PyTorch's cache: hand the cached blocks back
         sampler.wake_up(tags=["weights"])
-    for name, param in policy.module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param], enabled=zero_stage == 3):
-            sampler.apply_model(lambda model: model.load_weights([(name, param.data)]))  # noqa: B023 (called at once)
+    for group in push_groups(list(policy.module.named_parameters())):
+        with deepspeed.zero.GatheredParameters([param for _, param in group], enabled=zero_stage == 3):
+            # the list made inside the call: no reference to the gathered tensors outlives the gather
+            sampler.apply_model(lambda model: model.load_weights([(n, p.data) for n, p in group]))  # noqa: B023
     sampler.reset_prefix_cache()
     if wake:
         sampler.wake_up(tags=["kv_cache"])
