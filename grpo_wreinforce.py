@@ -64,6 +64,9 @@ class Args:
     """the policy to train: a hub id or a local HF directory"""
     attn_implementation: str = "sdpa"
     """the policy's attention in transformers: sdpa, eager, or flash_attention_2 (GPUs, with flash-attn installed)"""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """the weights' and the sampler's dtype; auto: bfloat16 on GPUs, float32 on a CPU (bfloat16 there rehearses a GPU
+    run's numerics, `make test-bf16`)"""
     dataset: str = "DigitalLearningGmbH/MATH-lighteval"
     """training prompts: a hub id or a local .jsonl/.json/.parquet file (default: MATH's 7,500 training problems)"""
     dataset_split: str | None = None
