@@ -23,7 +23,7 @@ TESTBED_ARGS := $(subst testbed/,testbed/fork/,$(subst --max-response-length 48,
 BUILD := utils.fork_testbed
 endif
 
-.PHONY: venv testbed test lint format
+.PHONY: venv testbed test test-bf16 lint format
 venv: .venv/.installed
 .venv/.installed: requirements-cpu.txt
 	python3 -m venv .venv
@@ -40,7 +40,12 @@ testbed: venv
 	$(PY) benchmarks/plot_run.py $$(ls -td runs/*/ | head -1)
 
 test: venv
-	$(CPU_ENV) $(PY) -m pytest -x -q -n 2 --dist loadgroup tests
+	$(CPU_ENV) $(PY) -m pytest -x -q -n 2 --dist loadgroup -m "not bf16_all" tests
+
+# every method file a few steps in bf16 (tests/test_bf16.py; make test runs two of them): after a change to the loss,
+# the log-prob kernel or the models' loading, and before a GPU run
+test-bf16: venv
+	$(CPU_ENV) $(PY) -m pytest -x -q -n 2 -m bf16_all tests/test_bf16.py
 
 # ruff.toml: line length 120; CI runs `make lint` before the tests
 lint: venv

@@ -297,7 +297,8 @@ def raw_logits(model, prompt: list, response: list, chunk_size: int, device, out
 
     with torch.no_grad():
         ids = torch.tensor([prompt + response], device=device)
-        hidden = model(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states[-1][0]
+        last = [model.config.num_hidden_layers - 1]  # that layer's alone, the final normed states (utils/logprobs.py)
+        hidden = model(input_ids=ids, output_hidden_states=last, logits_to_keep=1).hidden_states[-1][0]
         hidden = hidden[len(prompt) - 1 : len(prompt) + len(response) - 1]
         head = model.get_output_embeddings()
         for start, h in zip(range(0, len(response), chunk_size), hidden.split(chunk_size)):

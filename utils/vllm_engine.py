@@ -11,7 +11,8 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from .models import later_training_bytes
+from .models import later_training_bytes, train_dtype
+from .split_launch import TIMEOUT
 
 
 def import_vllm():
@@ -152,7 +153,7 @@ def make_sampler(args, rank: int, on_gpu: bool, policy, launch):
         prepare_vllm_cpu(args.vllm_kv_cache_memory)  # plain weights, which push_weights can update; cache size
     return LLM(
         model=args.model_name_or_path,
-        dtype="bfloat16" if on_gpu else "float32",
+        dtype=str(train_dtype(args, on_gpu)).removeprefix("torch."),  # the policy's: bf16 on GPUs
         max_model_len=args.max_prompt_length + args.max_response_length,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         kv_cache_memory_bytes=int(args.vllm_kv_cache_memory * 2**30) or None,
@@ -166,6 +167,10 @@ def make_sampler(args, rank: int, on_gpu: bool, policy, launch):
         # KV cache through vLLM's CuMem allocator (0.33 config/model.py l. 666-673, v1/worker/gpu_worker.py l. 396-417)
         enable_sleep_mode=on_gpu and args.vllm_sleep_level > 0 and not launch.serving,
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
+        # vLLM's own groups, else torch's defaults (NCCL 10 min) whatever the world's (0.32-0.33 config/parallel.py
+        # l. 360-368, distributed/parallel_state.py l. 497-510): a trainer may wait in them through a long generation
+        distributed_timeout_seconds=int(TIMEOUT.total_seconds()),
+        cpu_distributed_timeout_seconds=int(TIMEOUT.total_seconds()),
     )
 
 
