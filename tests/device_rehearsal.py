@@ -17,6 +17,11 @@ applies a CUDA device's rules (aten's same-device checks): a call over tensors o
 of an accelerator tensor. A `.to(device)` that moves a tensor returns a copy, as it does on a GPU, so the CPU original
 keeps its device.
 
+Shown on both known crashes (`git show e2a7afc^:grpo_gspo.py > old.py`, then `python tests/device_rehearsal.py old.py`
+with tests/launch.py's script_flags): "grpo_gspo.py:335: repeat_interleave() mixes devices: a host tensor (8,) int64
+meets an accelerator tensor (8,) int64"; CE-GPPO before 914cf49 with --cegppo-sft-coef 0.1: "grpo_cegppo.py:574: mul()
+mixes devices: a host tensor (236,) float32 meets an accelerator tensor (236,) float32".
+
 What it cannot reach: the vLLM engine and HF generate inside (run outside the rehearsal: the CPU build's kernels and
 tensors differ from the GPU build's, and transformers' token loop is theirs), kernels' internals, autograd's own
 tensors (gradients carry no device here), and code a run does not execute (tests/test_device.py runs each flag that
@@ -24,6 +29,7 @@ changes the step's path). A library that names the device "cpu" (DeepSpeed's CPU
 unknown device: they never raise, and neither does a library's code that mixes devices on its own.
 """
 
+import functools
 import os
 import runpy
 import sys
@@ -36,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCELERATOR = torch.device("cpu", 0)  # the rehearsal's accelerator: an index tells it apart from the host
 DEV, HOST = "accelerator", "host"  # a tensor's device; untagged: unknown (never raises)
 TORCH = os.path.dirname(torch.__file__)
+THIS = os.path.abspath(__file__)
 MOVES_ACROSS = {"copy_", "to", "cpu", "cuda", "tolist", "item", "__getitem__", "__setitem__", "index_put_", "numpy"}
 """calls that CUDA lets take a tensor of the other device (copy_, the moves, reads; x[index] takes CPU indices)"""
 
@@ -74,13 +81,20 @@ def caller():
     """(file:line, ours) of the first frame outside torch and this file that made the call; ours: a file of this
     repository."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith((TORCH, __file__)):
+    while frame is not None and frame.f_code.co_filename.startswith((TORCH, THIS)):
         frame = frame.f_back
     if frame is None:
         return "?", False
     path = frame.f_code.co_filename
-    ours = path.startswith(ROOT) and os.sep + ".venv" + os.sep not in path
-    return f"{os.path.relpath(path, ROOT) if ours else path}:{frame.f_lineno}", ours
+    mine = ours(path)
+    return f"{os.path.relpath(path, ROOT) if mine else path}:{frame.f_lineno}", mine
+
+
+@functools.cache
+def ours(path: str) -> bool:
+    """Whether a code file is this repository's (a script, utils/, tests/), not a library's."""
+    path = os.path.abspath(path)
+    return path.startswith(ROOT + os.sep) and os.sep + ".venv" + os.sep not in path and path != THIS
 
 
 def describe(t) -> str:
@@ -111,9 +125,8 @@ class Rehearsal(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name == "__get__":  # an attribute: x.device asked by our code answers the rehearsal's device
             if func.__self__ is torch._C.TensorBase.device:
-                asked = sys._getframe(1).f_code.co_filename  # by our code itself, not through torch (checkpoint's)
-                ours = asked.startswith(ROOT) and os.sep + ".venv" + os.sep not in asked
-                return ACCELERATOR if device_of(args[0]) == DEV and ours else func(*args)
+                asked_by_ours = ours(sys._getframe(1).f_code.co_filename)  # itself, not through torch (checkpoint's)
+                return ACCELERATOR if device_of(args[0]) == DEV and asked_by_ours else func(*args)
             out = func(*args)
             if isinstance(out, torch.Tensor) and device_of(args[0]) is not None:  # x.data, x.T, x.grad
                 put(out, device_of(args[0]))
@@ -219,6 +232,13 @@ def install() -> Rehearsal:
         return (engine, *rest)
 
     deepspeed.initialize = initialize_on_accelerator
+    apply = torch.autograd.Function.apply.__func__
+
+    def apply_on_inputs_device(cls, *a, **k):  # a custom autograd Function's results: where its inputs are
+        out, devices = apply(cls, *a, **k), {device_of(t) for t in tensors_in(a, k)}
+        return Rehearsal.tag(out, DEV, []) if DEV in devices else out
+
+    torch.autograd.Function.apply = classmethod(apply_on_inputs_device)  # not a torch function: the mode misses it
 
     def device_tensors_only(collective):
         def wrapper(*a, **k):
@@ -258,14 +278,13 @@ def outside(method):
 
 if __name__ == "__main__":
     script, sys.argv = sys.argv[1], sys.argv[1:]
-    sys.path.insert(0, ROOT)
-    rehearsal = install()
+    sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
+    import device_rehearsal  # one module of it, whatever imports it later (its devices are one dictionary)
+
+    rehearsal = device_rehearsal.install()
     try:
         with rehearsal:
-            runpy.run_path(script, run_name="__main__")
+            runpy.run_path(os.path.abspath(script), run_name="__main__")
     finally:  # the test reads it: a rehearsal that met no accelerator tensor checked nothing
-        print(
-            f"device rehearsal: {rehearsal.counts['checked']} calls checked, "
-            f"{rehearsal.counts['on_accelerator']} with accelerator tensors",
-            file=sys.stderr,
-        )
+        checked, on_accelerator = rehearsal.counts["checked"], rehearsal.counts["on_accelerator"]
+        print(f"device rehearsal: {checked} calls checked, {on_accelerator} with accelerator tensors", file=sys.stderr)
