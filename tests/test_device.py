@@ -13,8 +13,11 @@ from launch import ROOT, free_port, read_metrics, run_dir, run_python, script_fl
 from utils.testbed import CPU_ENV
 
 REHEARSAL = os.path.join(ROOT, "tests", "device_rehearsal.py")
-# flags that change the step's code path, spread over the runs: every method file at least once, every scope of every
-# selection, the reference KL, the rollout correction (vLLM's log-probs), one update and several, ZeRO-3 on 2 ranks
+# the flags that change the step's code path, spread over the runs: every method file, each method's own paths
+# (CE-GPPO's SFT term and dual clip, GSPO's two levels, AEnt's rules and cadences, the Cov and Lp-Reg scopes, CISPO's
+# cap, W-REINFORCE's bonus), every 80/20 scope, source and norm, the reference KL, the rollout correction (vLLM's
+# log-probs), one update and several, two epochs, the three loss aggregations, packing and token budgets, dynamic
+# sampling and overlong shaping, evaluation, ZeRO-3 on 2 ranks, a rollout rank one step off
 STEP = {"num-mini-batches": 2, "micro-batch-size": 4, "total-steps": 2}
 TOP20 = {"top-entropy-quantile": 0.2}
 RUNS = {
@@ -38,6 +41,7 @@ RUNS = {
             "max-tokens-per-micro-batch": 200,
             "entropy-mask-scope": "microbatch",
             "filter-groups": True,
+            "eval": True,
             "overlong-buffer-len": 8,
             "nproc": 2,
         },
@@ -63,14 +67,17 @@ RUNS = {
     "clipcov_global": ("grpo_clipcov.py", {"clip-cov-ratio": 0.2}),
     "clipcov_microbatch_2ranks": ("grpo_clipcov.py", {"cov-scope": "microbatch", "clip-cov-ratio": 0.2, "nproc": 2}),
     "entadv": ("grpo_entadv.py", {**TOP20}),
-    "cispo_cap": ("grpo_cispo.py", {"cispo-max-weight": 1.5, "vllm": True}),
+    "cispo_cap_2_epochs": ("grpo_cispo.py", {"cispo-max-weight": 1.5, "vllm": True, "num-epochs": 2}),
     "cegppo_sft_dual_clip": ("grpo_cegppo.py", {"cegppo-sft-coef": 0.1, "clip-ratio-c": 3.0, **TOP20}),
     "lpreg_global": ("grpo_lpreg.py", {"kl-coef": 0.01, "vllm": True}),
     "lpreg_microbatch_2ranks": ("grpo_lpreg.py", {"lpreg-scope": "microbatch", "nproc": 2}),
-    "sapo": ("grpo_sapo.py", {**TOP20}),
+    "sapo_seq_mean": ("grpo_sapo.py", {**TOP20, "loss-agg": "seq-mean-token-mean"}),
     "gspo_token": ("grpo_gspo.py", {"gspo-level": "token"}),
     "gspo_sequence_one_update": ("grpo_gspo.py", {"gspo-level": "sequence", "num-mini-batches": 1}),
-    "wreinforce_entropy": ("grpo_wreinforce.py", {"wr-entropy-coef": 0.001}),
+    "wreinforce_entropy_sum_norm": (
+        "grpo_wreinforce.py",
+        {"wr-entropy-coef": 0.001, "loss-agg": "seq-mean-token-sum-norm"},
+    ),
     "vanilla_rollout_rank_stale": (
         "grpo_vanilla.py",
         {"rollout-ranks": 1, "max-staleness": 1, "vllm": True, "nproc": 2},
