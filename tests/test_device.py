@@ -18,7 +18,7 @@ REHEARSAL = os.path.join(ROOT, "tests", "device_rehearsal.py")
 # cap, W-REINFORCE's bonus), every 80/20 scope, source and norm, the reference KL, the rollout correction (vLLM's
 # log-probs), one update and several, two epochs, the three loss aggregations, packing and token budgets, dynamic
 # sampling and overlong shaping, evaluation, ZeRO-3 on 2 ranks, a rollout rank one step off
-STEP = {"num-mini-batches": 2, "micro-batch-size": 4, "total-steps": 2}
+STEP = {"num-mini-batches": 2, "micro-batch-size": 4, "total-steps": 1}
 TOP20 = {"top-entropy-quantile": 0.2}
 RUNS = {
     "vanilla_vllm_kl_top20_current": (
@@ -80,7 +80,7 @@ RUNS = {
     ),
     "vanilla_rollout_rank_stale": (
         "grpo_vanilla.py",
-        {"rollout-ranks": 1, "max-staleness": 1, "vllm": True, "nproc": 2},
+        {"rollout-ranks": 1, "max-staleness": 1, "vllm": True, "nproc": 2, "total-steps": 2},
     ),
 }
 
