@@ -87,14 +87,18 @@ def caller():
         return "?", False
     path = frame.f_code.co_filename
     mine = ours(path)
-    return f"{os.path.relpath(path, ROOT) if mine else path}:{frame.f_lineno}", mine
+    shown = os.path.relpath(path, ROOT) if os.path.abspath(path).startswith(ROOT + os.sep) else path
+    return f"{shown}:{frame.f_lineno}", mine
+
+
+OURS = [ROOT + os.sep]  # and the rehearsed script's folder (a script outside the repository)
 
 
 @functools.cache
 def ours(path: str) -> bool:
-    """Whether a code file is this repository's (a script, utils/, tests/), not a library's."""
+    """Whether a code file is this repository's (a script, utils/, tests/) or the rehearsed script, not a library's."""
     path = os.path.abspath(path)
-    return path.startswith(ROOT + os.sep) and os.sep + ".venv" + os.sep not in path and path != THIS
+    return path.startswith(tuple(OURS)) and os.sep + ".venv" + os.sep not in path and path != THIS
 
 
 def describe(t) -> str:
@@ -281,6 +285,7 @@ if __name__ == "__main__":
     sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
     import device_rehearsal  # one module of it, whatever imports it later (its devices are one dictionary)
 
+    device_rehearsal.OURS.append(os.path.dirname(os.path.abspath(script)) + os.sep)
     rehearsal = device_rehearsal.install()
     try:
         with rehearsal:

@@ -114,6 +114,34 @@ def test_the_step_keeps_every_tensor_on_its_device(testbed, tmp_path, name):
     assert counts and max(int(n) for _, n in counts) > 1000, f"the run met no accelerator tensor: {counts}"
 
 
+# ---- the two known crashes, put back into today's files: the rehearsal stops each at its line ----
+REVERTED = {  # each fix undone: (the fixed text, the text before the fix)
+    "grpo_gspo.py": [("    lengths = lengths.to(logp.device)\n", "")],  # e2a7afc
+    "grpo_cegppo.py": [  # 914cf49
+        ("for k in samples], device=device)", "for k in samples], device=lengths.device)"),
+        ("correct.repeat_interleave(lengths.to(device))", "correct.repeat_interleave(lengths)"),
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    "script, overrides, crash",
+    [
+        ("grpo_gspo.py", {"gspo-level": "token"}, r"grpo_gspo_reverted.py:\d+: repeat_interleave\(\) mixes devices"),
+        ("grpo_cegppo.py", {"cegppo-sft-coef": 0.1}, r"grpo_cegppo_reverted.py:\d+: mul\(\) mixes devices"),
+    ],
+)
+def test_the_known_crashes_stop_the_rehearsal(testbed, tmp_path, script, overrides, crash):
+    text = open(os.path.join(ROOT, script)).read()
+    for fixed, before in REVERTED[script]:
+        assert text.count(fixed) == 1, f"{script} no longer has {fixed!r}: update REVERTED"
+        text = text.replace(fixed, before)
+    reverted = tmp_path / script.replace(".py", "_reverted.py")  # imports utils/ from the runner's path
+    reverted.write_text(text)
+    proc = rehearse(testbed, tmp_path, str(reverted), overrides, check=False)
+    assert proc.returncode != 0 and re.search(r"DeviceMixError: \S*" + crash, proc.stderr), proc.stderr[-3000:]
+
+
 # ---- the rules, each on the bug it is for ----
 def lengths_and_logp():
     """A collated batch's lengths (kept on the CPU by utils.batching.collate) and log-probs on the accelerator."""
