@@ -44,6 +44,7 @@ DEV, HOST = "accelerator", "host"  # a tensor's device; untagged: unknown (never
 TORCH = os.path.dirname(torch.__file__)
 THIS = os.path.abspath(__file__)
 MOVES_ACROSS = {"copy_", "to", "cpu", "cuda", "tolist", "item", "__getitem__", "__setitem__", "index_put_", "numpy"}
+MOVES_ACROSS |= {"_has_compatible_shallow_copy_type", "__set__"}  # Module.to's type check; x.data = y (a move's end)
 """calls that CUDA lets take a tensor of the other device (copy_, the moves, reads; x[index] takes CPU indices)"""
 
 
@@ -127,6 +128,11 @@ class Rehearsal(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if name == "__set__" and func.__self__ is torch._C.TensorBase.data:  # x.data = y: x is where y is
+            func(*args)
+            if device_of(args[1]) is not None:
+                put(args[0], device_of(args[1]))
+            return None
         if name == "__get__":  # an attribute: x.device asked by our code answers the rehearsal's device
             if func.__self__ is torch._C.TensorBase.device:
                 asked_by_ours = ours(sys._getframe(1).f_code.co_filename)  # itself, not through torch (checkpoint's)

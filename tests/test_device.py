@@ -114,6 +114,16 @@ def test_the_step_keeps_every_tensor_on_its_device(testbed, tmp_path, name):
     assert counts and max(int(n) for _, n in counts) > 1000, f"the run met no accelerator tensor: {counts}"
 
 
+def test_the_gpu_benchmark_keeps_every_tensor_on_its_device(tmp_path):
+    """benchmarks/bench_gpu.py (gpu_smoke's `bench`, on the first GPU lease) starts through init_distributed too."""
+    argv = [REHEARSAL, os.path.join(ROOT, "benchmarks", "bench_gpu.py"), "--tiny"]
+    env = {**os.environ, **CPU_ENV, "MASTER_PORT": str(free_port()), "WANDB_DIR": str(tmp_path)}
+    proc = run_python(argv, env, 0, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    counts = re.findall(r"device rehearsal: (\d+) calls checked, (\d+) with accelerator tensors", proc.stderr)
+    assert counts and int(counts[0][1]) > 1000, counts
+
+
 # ---- the two known crashes, put back into today's files: the rehearsal stops each at its line ----
 REVERTED = {  # each fix undone: (the fixed text, the text before the fix)
     "grpo_gspo.py": [("    lengths = lengths.to(logp.device)\n", "")],  # e2a7afc
