@@ -208,6 +208,17 @@ def test_validate_args_rejects_bad_values_with_the_flag_name(module, bad, messag
     assert message in str(raised.value), str(raised.value)
 
 
+def test_a_gpu_without_bf16_is_one_line_naming_dtype(monkeypatch):
+    """bf16, the GPUs' default, on a GPU without it (a V100, a T4): one line naming --dtype, not DeepSpeed's assertion
+    after the model loaded; --dtype float32 passes. The GPU's two answers are set: this machine has no GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    for dtype in ("auto", "bfloat16"):
+        with pytest.raises(SystemExit, match=f"--dtype {dtype}: this GPU has no bf16"):
+            gv.validate_args(gv.Args(**{**VALID, "dtype": dtype}), 2)
+    gv.validate_args(gv.Args(**{**VALID, "dtype": "float32"}), 2)
+
+
 def test_kl_cov_accepts_one_mini_batch_with_two_epochs():
     """KL-Cov's check counts updates per rollout batch: 1 mini-batch x 2 epochs is 2 updates, accepted."""
     kc.validate_args(kc.Args(**{**VALID, "num_mini_batches": 1, "num_epochs": 2}), 2)

@@ -1,5 +1,7 @@
 """The shared flags' checks: an impossible setting stops the run at start with one line naming the flag."""
 
+import torch
+
 
 def check_args(args, world_size: int, method_checks=()) -> None:
     """Reject impossible settings of the shared flags, then the (ok, message) `method_checks`, with one line naming
@@ -95,6 +97,12 @@ def check_args(args, world_size: int, method_checks=()) -> None:
     check(
         args.overlong_penalty_factor >= 0,
         f"--overlong-penalty-factor must be >= 0 (got {args.overlong_penalty_factor})",
+    )
+    gpu = torch.cuda.is_available()  # bf16, the GPUs' default (utils.models.train_dtype), native from Ampere on
+    # (torch 2.13 cuda/__init__.py l. 191: is_bf16_supported, including_emulation=False: compute capability >= 8.0)
+    check(
+        not gpu or args.dtype == "float32" or torch.cuda.is_bf16_supported(including_emulation=False),
+        f"--dtype {args.dtype}: this GPU has no bf16 (compute capability < 8.0, before Ampere); pass --dtype float32",
     )
     for ok, message in method_checks:
         check(ok, message)
