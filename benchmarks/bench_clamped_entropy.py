@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from perf_common import case_in_child, extra_peak_bytes  # noqa: E402
+
 from grpo_aent import clamped_entropy  # noqa: E402
 
 
@@ -137,25 +139,13 @@ def measure_memory(args, name) -> float:
         forward_backward(name, logits, upstream, args.clamp_p)
         sync(args.device)
         return torch.cuda.max_memory_allocated() - before
-    # CPU: run in a fresh process so that the process-wide peak belongs to this variant alone
-    out = subprocess.run(
-        [sys.executable, __file__, *sys.argv[1:], "--memory-of", name], capture_output=True, text=True, check=True
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])["extra_bytes"]
-
-
-def resident_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+    return case_in_child("--memory-of", name)["extra_bytes"]  # CPU: the process-wide peak of this variant alone
 
 
 def cpu_memory_child(args, name):
     logits, upstream = make_inputs(args)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets the peak resident size (VmHWM) to the current one: start-up peaks do not count
-    before = resident_bytes("VmRSS")
-    forward_backward(name, logits, upstream, args.clamp_p)
-    print(json.dumps({"extra_bytes": resident_bytes("VmHWM") - before}))
+    _, extra = extra_peak_bytes(lambda: forward_backward(name, logits, upstream, args.clamp_p))
+    print(json.dumps({"extra_bytes": extra}))
 
 
 def main():

@@ -16,13 +16,14 @@ the states kept alive to the end of the forward.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from perf_common import case_in_child, extra_peak_bytes  # noqa: E402
+
 from utils import batching  # noqa: E402
 from utils.logprobs import response_logprobs  # noqa: E402
 
@@ -55,11 +56,6 @@ def ask_every_layer(model) -> None:
     model.forward = every_layer
 
 
-def resident_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
 def measure(a, variant: str, tokens: int) -> dict:
     model = build_model(a)
     if variant == "every layer":
@@ -69,14 +65,10 @@ def measure(a, variant: str, tokens: int) -> dict:
     prompts = [torch.randint(0, a.vocab, (a.seq_len * 3 // 4,), generator=g).tolist() for _ in range(n)]
     responses = [torch.randint(0, a.vocab, (a.seq_len // 4,), generator=g).tolist() for _ in range(n)]
     batch = batching.collate(prompts, responses, 0, "cpu")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # peak resident size := current: only the pass counts
-    before = resident_bytes("VmRSS")
     start = time.perf_counter()
     with torch.no_grad():
-        logp, entropy, _ = response_logprobs(model, batch, 1.0, a.chunk_size, True)
+        (logp, entropy, _), extra = extra_peak_bytes(lambda: response_logprobs(model, batch, 1.0, a.chunk_size, True))
     seconds = time.perf_counter() - start
-    extra = resident_bytes("VmHWM") - before
     checksum = f"{logp.double().sum().item():.17g}/{entropy.double().sum().item():.17g}"
     return {"extra_bytes": extra, "seconds": seconds, "checksum": checksum}
 
@@ -109,16 +101,7 @@ def main():
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for n in a.tokens:
-        rows = {}
-        for variant in ("last layer", "every layer"):
-            out = subprocess.run(
-                [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--case", variant, str(n)],
-                capture_output=True,
-                text=True,
-            )
-            if out.returncode != 0:
-                raise SystemExit(f"case {variant} {n} failed:\n{out.stderr[-3000:]}")
-            rows[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+        rows = {variant: case_in_child("--case", variant, str(n)) for variant in ("last layer", "every layer")}
         last, every = rows["last layer"], rows["every layer"]
         mb = 2**20
         expected = (a.layers + 1) * n * a.hidden * 4 / mb

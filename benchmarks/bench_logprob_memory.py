@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -30,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from perf_common import case_in_child, extra_peak_bytes  # noqa: E402
+
 from utils.logprobs import chunked_logprobs_entropy  # noqa: E402
 
 
@@ -64,11 +65,6 @@ def forward_backward(a, variant, head, hidden, targets, u, w):
     return logp.detach(), entropy.detach()
 
 
-def resident_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
 def sync(a):
     if a.device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -90,26 +86,15 @@ def measure(a, variant, n) -> dict:
             sync(a)
             times.append(time.perf_counter() - start)
         return {"extra_bytes": torch.cuda.max_memory_allocated() - before, "seconds": statistics.median(times)}
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # peak resident size := current: only the pass counts
-    before = resident_bytes("VmRSS")
     start = time.perf_counter()
-    forward_backward(a, variant, *inputs)
-    seconds = time.perf_counter() - start
-    return {"extra_bytes": resident_bytes("VmHWM") - before, "seconds": seconds}
+    _, extra = extra_peak_bytes(lambda: forward_backward(a, variant, *inputs))
+    return {"extra_bytes": extra, "seconds": time.perf_counter() - start}
 
 
 def run_case(a, variant, n) -> dict:
     if a.device.startswith("cuda") or a.in_process:
         return measure(a, variant, n)
-    out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--case", variant, str(n)],
-        capture_output=True,
-        text=True,
-    )
-    if out.returncode != 0:
-        raise SystemExit(f"case {variant} {n} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return case_in_child("--case", variant, str(n))
 
 
 def check_agreement(a) -> tuple:

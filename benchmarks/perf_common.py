@@ -1,6 +1,8 @@
 """Small helpers shared by the performance benchmarks (bench_trl.py, bench_scaling.py): a random-weights Qwen2 on the
 testbed's tokenizer (responses of a fixed length, or of variable length with a set mean), a prompt file, and running a
-command as a subprocess while measuring its wall time and peak RSS."""
+command as a subprocess while measuring its wall time and peak RSS; and by the CPU memory benchmarks
+(bench_logprob_memory.py, bench_clamped_entropy.py, bench_hidden_states_memory.py): one case's extra peak resident
+size, each case in a fresh interpreter."""
 
 import json
 import os
@@ -207,6 +209,34 @@ def run_measured(cmd: list, env: dict, log_path: str, timeout: int = 900) -> dic
         "peak_rss": usage.ru_maxrss * 1024,
         "log": log_path,
     }
+
+
+def resident_bytes(field: str) -> int:
+    """This process's VmRSS (resident now) or VmHWM (its peak since the last reset) from /proc/self/status (Linux)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def extra_peak_bytes(run) -> tuple:
+    """(run()'s result, how far the process's peak resident size rose above its resident size before the call): the
+    peak is reset to the current size first (/proc/self/clear_refs "5"), so start-up peaks do not count. Every
+    allocation torch makes is seen; one case a process (case_in_child), or the peak of an earlier one stays."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = resident_bytes("VmRSS")
+    result = run()
+    return result, resident_bytes("VmHWM") - before
+
+
+def case_in_child(*case: str) -> dict:
+    """The running benchmark's own command line plus `case` (its flag naming one case, and the values), run in a fresh
+    interpreter so that the process-wide peak belongs to that case alone: the JSON of the child's last output line."""
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:], *case], capture_output=True, text=True
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"case {' '.join(case)} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def free_port() -> int:
