@@ -69,6 +69,7 @@ def test_a_rollout_ranks_engine_starts_without_sleep_mode(monkeypatch):
         vllm_tensor_parallel_size=1,
         vllm_sleep_level=2,
         seed=1,
+        dtype="auto",
     )
     for serving, sleep_mode in ((False, True), (True, False)):
         vllm_engine.make_sampler(args, 0, True, None, SimpleNamespace(trains=False, serving=serving))

@@ -35,10 +35,9 @@ that is ~0.9 GB here instead of ~9 GB."""
 def train_dtype(args, on_gpu: bool) -> torch.dtype:
     """The weights' dtype, --dtype: "auto" is bf16 on GPUs and fp32 on a CPU (the CPU tests); "bfloat16" on a CPU
     rehearses a GPU run's numerics (DeepSpeed's CPU accelerator takes bf16)."""
-    dtype = getattr(args, "dtype", "auto")
-    if dtype == "auto":
+    if args.dtype == "auto":
         return torch.bfloat16 if on_gpu else torch.float32
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
 
 
 def deepspeed_config(args, on_gpu: bool, grad_accum: int) -> dict:
@@ -96,14 +95,14 @@ def load_model(args, dtype, ds_config: dict):
     return model
 
 
-def restore_buffers(model, dtype) -> list:
-    """Give every buffer of a model loaded under ZeRO-3 the dtype and value it has in a plain load; returns the names
-    of those changed. zero.Init casts every floating tensor made while the model is built to the training dtype (its
-    wrappers of torch.arange, tensor, zeros, ones, full, empty, eye, randn and Tensor.__new__: DeepSpeed 0.19.8
-    runtime/zero/partition_parameters.py l. 263-292, 637-672), so the rotary inv_freq that transformers computes in
-    fp32 (torch.arange(..., dtype=torch.float): 5.19 models/qwen2/modeling_qwen2.py l. 83) is computed and kept in
-    bf16, and the trainer rotates positions other than vLLM's. deepspeed.initialize leaves buffers as they are (0.19.8
-    runtime/engine.py l. 2084-2088, 1870-1875: cast only with a buffer_dtype set): they are mended here, before it.
+def restore_buffers(model, dtype) -> None:
+    """Give every buffer of a model loaded under ZeRO-3 the dtype and value it has in a plain load. zero.Init casts
+    every floating tensor made while the model is built to the training dtype (its wrappers of torch.arange, tensor,
+    zeros, ones, full, empty, eye, randn and Tensor.__new__: DeepSpeed 0.19.8 runtime/zero/partition_parameters.py l.
+    263-292, 637-672), so the rotary inv_freq that transformers computes in fp32 (torch.arange(...,
+    dtype=torch.float): 5.19 models/qwen2/modeling_qwen2.py l. 83) is computed and kept in bf16, and the trainer
+    rotates positions other than vLLM's. deepspeed.initialize leaves buffers as they are (0.19.8 runtime/engine.py l.
+    2084-2088, 1870-1875: cast only with a buffer_dtype set): they are mended here, before it.
 
     The reference is the model built again outside zero.Init in the plain load's default dtype (transformers sets it
     to `dtype` while it builds: 5.19 modeling_utils.py l. 3738), parameters on the meta device (accelerate's
@@ -122,7 +121,7 @@ def restore_buffers(model, dtype) -> list:
             plain = type(model)(copy.deepcopy(model.config))
     finally:
         torch.set_default_dtype(default)
-    plain_buffers, changed = dict(plain.named_buffers(remove_duplicate=False)), []
+    plain_buffers = dict(plain.named_buffers(remove_duplicate=False))
     for name, buffer in model.named_buffers(remove_duplicate=False):  # a buffer shared by modules: under each name
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
@@ -135,8 +134,6 @@ def restore_buffers(model, dtype) -> list:
                 )
         elif buffer.dtype != reference.dtype or not torch.equal(buffer, reference):
             module._buffers[leaf] = reference
-            changed.append(name)
-    return changed
 
 
 def make_policy(args, on_gpu: bool, grad_accum: int, updates_per_step: int):
