@@ -229,7 +229,7 @@ def install() -> Rehearsal:
 
     def init_on_accelerator(*a, **k):
         rank, local_rank, world_size, device, on_gpu, launch = init(*a, **k)
-        launch.device = ACCELERATOR if getattr(launch, "device", None) is not None else None
+        launch.device = ACCELERATOR  # a rollout rank receives the pushed weights there
         return rank, local_rank, world_size, ACCELERATOR, on_gpu, launch
 
     distributed.init_distributed = init_on_accelerator
