@@ -896,7 +896,7 @@ def long_context(a) -> None:
     from transformers import AutoModelForCausalLM
 
     import grpo_vanilla as gv
-    from utils import distributed, models, vllm_engine
+    from utils import batching, distributed, logprobs, models, vllm_engine
 
     def say(line: str) -> None:
         print(f"SMOKE {line}", flush=True)
@@ -951,10 +951,11 @@ def long_context(a) -> None:
     ]
 
     def response_logp(policy, prompt: list, response: list):
-        """The policy's log-probs of the response's tokens after the prompt (float32, on the device)."""
-        ids = torch.tensor([prompt + response], device=device)
-        logits = policy(input_ids=ids, logits_to_keep=len(response) + 1).logits[0, :-1].float()
-        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response, device=device)[:, None])[:, 0]
+        """The policy's log-probs of the response's tokens after the prompt (float32, on the device), as the scripts'
+        log-prob pass and training forward compute them (utils.logprobs.response_logprobs on a collated batch)."""
+        return logprobs.response_logprobs(policy, batching.collate([prompt], [response], 0, device), 1.0, 1024, False)[
+            0
+        ]
 
     def trainer_logps(policy, seqs: list) -> list:
         with torch.no_grad():
