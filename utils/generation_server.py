@@ -66,9 +66,11 @@ def serve(launch, args, generate, tokenizer, train_data: list, grading_workers: 
     while True:
         try:
             kind, payload = broadcast(None, launch.link)
-        except RuntimeError as e:
+        except RuntimeError as e:  # the process ends here at once, as the sender does: unwinding it would let a
+            # runpy frame that ran the script as __main__ (tests, the fork server) restore its own __main__ while the
+            # sender still pickles a batch of the script's Samples (PicklingError, a traceback in the sender)
             _say_once(launch.failed("trainer rank 0", e).code)
-            raise SystemExit(1)
+            os._exit(1)
         if kind == "stop":
             break
         if kind == "begin":
