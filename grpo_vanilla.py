@@ -31,7 +31,7 @@ from utils.generation_server import serve
 from utils.logprobs import response_logprobs
 from utils.resume import open_run
 from utils.reward import default_grading_workers
-from utils.vllm_engine import make_sampler, push_weights
+from utils.sampler import make_sampler
 
 
 @dataclass
@@ -318,50 +318,15 @@ class TokenSelection:
         return token_loss * kept * (s.scale if self.kept_mean else 1.0), kept, s.scale
 
 
-class Sample(NamedTuple):
-    ids: list  # response token ids
-    sampler_logps: list | None  # the sampler's log-prob of each token (vLLM only)
-    truncated: bool  # stopped at --max-response-length
-
-
-def generate(args, sampler, policy, tokenizer, prompts: list, seeds: list, n: int, greedy: bool, group=None) -> list:
-    """n Samples per prompt, prompt-major, from the vLLM sampler (or HF generate on the policy without one). With a
-    tensor-parallel engine (`group`: its ranks), every rank of the group generates the group's prompts with the same
-    inputs, as vLLM requires, and keeps the responses to its own."""
-    first, count = 0, len(prompts)
-    if group is not None:
-        shares = [None] * dist.get_world_size(group)
-        dist.all_gather_object(shares, (prompts, seeds), group=group)
-        first = sum(len(p) for p, _ in shares[: dist.get_rank(group)])
-        prompts, seeds = [p for ps, _ in shares for p in ps], [s for _, ss in shares for s in ss]
-    if not prompts:
-        return []
-    if sampler is not None:
-        from vllm import SamplingParams
-
-        temperature, top_p = (0.0, 1.0) if greedy else (args.temperature, args.top_p)
-        fixed = {"n": n, "temperature": temperature, "top_p": top_p, "max_tokens": args.max_response_length}
-        params = [SamplingParams(seed=seed, logprobs=0, detokenize=False, **fixed) for seed in seeds]
-        outputs = sampler.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        samples = []
-        for c in (c for o in outputs[first : first + count] for c in o.outputs):
-            logps = [next(iter(lp.values())).logprob for lp in c.logprobs]  # of the sampled tokens
-            samples.append(Sample(list(c.token_ids), logps, c.finish_reason == "length"))
-        return samples
-    # no sampler: HF generate on this rank
-    rows = models.hf_generate(policy, tokenizer, prompts, n, greedy, seeds[0], args)
-    return [Sample(ids, None, truncated) for ids, truncated in rows]
-
-
-def evaluate(args, sampler, policy, tokenizer, eval_data: list, logprobs, group=None) -> dict:
+def evaluate(args, sampler, policy, tokenizer, eval_data: list, logprobs) -> dict:
     """Held-out greedy accuracy; with --eval-samples n also n samples per prompt at the training temperature (seeded by
     the prompt's position: the same draw each time), their mean accuracy, pass@k, entropy (tracking.eval_metrics)."""
     rank, world_size, n, device = dist.get_rank(), dist.get_world_size(), args.eval_samples, policy.device
     shard = eval_data[rank::world_size]
     prompts = [p for p, _, _ in shard]
-    greedy = generate(args, sampler, policy, tokenizer, prompts, [0] * len(prompts), 1, True, group)
+    greedy = sampler.generate(prompts, [0] * len(prompts), 1, greedy=True)
     seeds = [(rank + i * world_size) * n for i in range(len(prompts))]  # global position x n
-    sampled = generate(args, sampler, policy, tokenizer, prompts, seeds, n, False, group) if n else []
+    sampled = sampler.generate(prompts, seeds, n) if n else []
     entropies = tracking.sample_entropies(logprobs, policy, tokenizer, prompts, sampled, n, args.micro_batch_size)
     return tracking.eval_metrics(tokenizer, shard, greedy, sampled, n, entropies, eval_data, device)
 
@@ -391,8 +356,8 @@ if __name__ == "__main__":
     G, mbs, clip = args.group_size, args.micro_batch_size, (args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c)
     updates_per_step = args.num_mini_batches * args.num_epochs
     grading_workers = args.grading_workers or default_grading_workers()
-    if launch.serving:  # a rollout rank generates for the trainers until they stop, then exits
-        serve(launch, args, generate, tokenizer, train_data, grading_workers)
+    if launch.serving:  # a rollout rank generates for the trainers until they stop: its process ends here
+        raise SystemExit(serve(launch, args, tokenizer, train_data, grading_workers))
     selector = TokenSelection(args)  # the 80/20 rule
     select = selector.scope  # where it selects: global, microbatch or None (off)
     # else the training forward computes the old log-probs; a global selection needs the entropies before training
@@ -404,33 +369,26 @@ if __name__ == "__main__":
     start_step, method_state = 0, {}
     consumed = 0  # prompts of the seeded stream used so far
     if resumed:
-        start_step, method_state, consumed = checkpoints.load(policy, resumed, rank, launch)
+        start_step, method_state, consumed = checkpoints.load(policy, resumed, rank)
     calls = models.head_calls(args)  # ZeRO-3: every rank calls the output head equally often (None: any number)
 
     def logprobs(model, batch, with_entropy=False, extra=None):
         return response_logprobs(model, batch, args.temperature, args.logprob_chunk_size, with_entropy, calls, extra)
 
-    sampler = make_sampler(args, rank, on_gpu, policy, launch) if args.use_vllm else None
-    tp_group = distributed.tensor_parallel_group(args.vllm_tensor_parallel_size, launch)  # ranks sharing its sampler
-    sleeping = on_gpu and sampler is not None and args.vllm_sleep_level > 0 and not launch.trains
-
-    def sample(prompts, seeds):  # G samples per prompt, called once per generation round
-        return generate(args, sampler, policy, tokenizer, prompts, seeds, G, False, tp_group)
-
-    if sampler is not None and resumed:
-        push_weights(policy, sampler, args.zero_stage)
+    sampler = make_sampler(args, rank, on_gpu, policy, tokenizer, launch)  # vLLM (or HF generate): utils/sampler.py
+    if resumed:  # the checkpoint's weights, and beside rollout ranks its batches in flight
+        sampler.resume(policy, resumed)
     tracker = tracking.Tracker(args, run_dir, rank, start_step if resumed else None)  # metrics.jsonl; wandb: --track
-    stop, trim_heap = lifecycle.StopSignal(launch), lifecycle.HeapTrim()
+    stop, trim_heap = lifecycle.StopSignal(sampler), lifecycle.HeapTrim()
     if eval_data and args.eval_every and start_step == 0:
-        tracker.log(evaluate(args, sampler, policy, tokenizer, eval_data, logprobs, tp_group), 0)  # the base policy
+        tracker.log(evaluate(args, sampler, policy, tokenizer, eval_data, logprobs), 0)  # the base policy
     bad_steps, stopping = 0, False
     progress = tqdm(range(start_step, args.total_steps), disable=rank != 0, initial=start_step, total=args.total_steps)
     for step in progress:
         step_start = time.time()
         # ---- rollouts: G samples per prompt, graded (utils/rollouts.py: dynamic sampling, rollout ranks) ----
-        rollout = rollouts.collect(args, consumed, train_data, tokenizer, sample, grading_workers, launch)
-        if sleeping:
-            sampler.sleep(level=args.vllm_sleep_level)
+        rollout = rollouts.collect(args, consumed, train_data, tokenizer, sampler, grading_workers)
+        sampler.sleep()  # GPUs: the engine's memory goes to training until the weight push
         prompts, samples, graded, rewards = rollout.prompts, rollout.samples, rollout.graded, rollout.rewards
         consumed = rollout.consumed  # where the next step's prompts start in the stream (checkpointed)
         metrics = {"time/generation": rollout.seconds[0], "time/reward": rollout.seconds[1]}
@@ -444,8 +402,8 @@ if __name__ == "__main__":
         batches = [
             batching.collate(p, r, tokenizer.pad_token_id, device, a, args.padding_free, g) for p, r, a, g in parts
         ]
-        if sampler is not None:  # the sampler's log-probs of each micro-batch's tokens, in its order
-            sampler_logps = [torch.tensor([x for k in g for x in samples[k].sampler_logps]).to(device) for g in indices]
+        # the sampler's log-probs of each micro-batch's tokens, in its order
+        sampler_logps = [torch.tensor([x for k in g for x in samples[k].sampler_logps]).to(device) for g in indices]
 
         # ---- log-prob pass: the sampling policy's log-probs and entropy, the reference policy's log-probs ----
         # a single on-policy update without reference policy skips it: its training forward gives them (old = current)
@@ -487,7 +445,7 @@ if __name__ == "__main__":
                     old_logp, adv = old_logps[i], batch["advantages"]
                     weights = token_weights(batch["lengths"], *aggregation).to(device)
                     token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)
-                    if sampler is not None and args.vllm_is_cap:  # the sampler's tokens, weighted to the trainer's
+                    if args.vllm_is_cap:  # the sampler's tokens, weighted to the trainer's
                         token_loss = token_loss * rollout_weights(old_logp, sampler_logps[i], args.vllm_is_cap)
                     token_loss, kept, scale = selector.keep(i, token_loss, entropy, sums)  # 80/20: the kept tokens only
                     if ref_policy is not None:
@@ -511,8 +469,7 @@ if __name__ == "__main__":
 
         # ---- weight push: the sampler gets the new policy ----
         t0 = time.time()
-        if sampler is not None:  # awake afterwards, for evaluation and the next rollouts
-            push_weights(policy, sampler, args.zero_stage, wake=sleeping)
+        sampler.push(policy)  # awake afterwards, for evaluation and the next rollouts
         metrics["time/weight_push"] = time.time() - t0
 
         # ---- metrics: sums over ranks, then means ----
@@ -522,8 +479,8 @@ if __name__ == "__main__":
         sums.update(tracking.rollout_sums(rewards, graded, samples))
         sums.update(rollout.sums)  # --filter-groups: the generation rounds
         sums["nll"] = -old_logp.sum().item()
-        if sampler is not None:  # the sampler's log-probs against the trainer's, the correction's weights
-            sums.update(tracking.sampler_sums(old_logp, torch.cat(sampler_logps), args.vllm_is_cap))
+        # the sampler's log-probs against the trainer's, the correction's weights
+        sums.update(tracking.sampler_sums(old_logp, torch.cat(sampler_logps), args.vllm_is_cap))
         g = distributed.all_reduce_sums(sums, device)
         max_length = torch.tensor([max(len(s.ids) for s in samples)], device=device)
         dist.all_reduce(max_length, op=dist.ReduceOp.MAX)
@@ -539,11 +496,11 @@ if __name__ == "__main__":
         bad_steps = lifecycle.check_bad_steps(bad_steps, skipped, args.max_bad_steps, run_dir, tracker)
         done = step + 1 == args.total_steps
         if eval_data and args.eval_every and ((step + 1) % args.eval_every == 0 or done):
-            tracker.log(evaluate(args, sampler, policy, tokenizer, eval_data, logprobs, tp_group), step + 1)
+            tracker.log(evaluate(args, sampler, policy, tokenizer, eval_data, logprobs), step + 1)
         trim_heap()
         stopping = stop.agreed(device)  # a signal to any rank stops them all
         if (args.save_every and (step + 1) % args.save_every == 0) or done or stopping:
-            checkpoints.save(policy, run_dir, step + 1, method_state, args, rank, done or stopping, consumed, launch)
+            checkpoints.save(policy, run_dir, step + 1, method_state, args, rank, done or stopping, consumed, sampler)
         if stopping:
             break
 

@@ -1,6 +1,6 @@
 """GPU throughput of the pieces of a GRPO step at Qwen2.5-1.5B's real dimensions (random weights, built from a config:
 no download), through the scripts' own functions (utils.models.make_policy, utils.logprobs.response_logprobs,
-ppo_clip_loss, make_sampler, push_weights). Meant to finish in under 5 minutes on one H200 (not yet run on one).
+ppo_clip_loss, start_engine, push_weights). Meant to finish in under 5 minutes on one H200 (not yet run on one).
 
     python benchmarks/bench_gpu.py                  # one GPU: single process, DeepSpeed ZeRO-2 bf16 on NCCL
     python benchmarks/bench_gpu.py --tiny           # the same code path on CPU in seconds (fp32, gloo; used by a test)
@@ -308,7 +308,7 @@ def main():
 
         if on_gpu:
             torch.cuda.empty_cache()
-        llm = vllm_engine.make_sampler(args, 0, on_gpu, None, launch)
+        llm = vllm_engine.start_engine(args, 0, on_gpu, None, launch)
         params = SamplingParams(
             n=1, temperature=1.0, max_tokens=a.gen_tokens, ignore_eos=True, detokenize=False, seed=0
         )

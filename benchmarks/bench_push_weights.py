@@ -33,7 +33,7 @@ from bench_gpu import build_model_dir  # noqa: E402
 
 from grpo_vanilla import Args  # noqa: E402
 from utils import distributed, models  # noqa: E402
-from utils.vllm_engine import close_engine, make_sampler, push_groups, push_weights  # noqa: E402
+from utils.vllm_engine import close_engine, push_groups, push_weights, start_engine  # noqa: E402
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -113,7 +113,7 @@ def main():
     args = Args(model_name_or_path=directory, zero_stage=a.zero_stage, max_prompt_length=64, max_response_length=64)
     args.vllm_kv_cache_memory = 0.25  # GiB: only the weights matter here
     policy, _, _ = models.make_policy(args, False, 1, 1)
-    sampler = make_sampler(args, rank, False, policy, launch)
+    sampler = start_engine(args, rank, False, policy, launch)
     params = list(policy.module.named_parameters())
     groups = push_groups(params)
     times, identical = {"per parameter": [], "grouped": []}, True

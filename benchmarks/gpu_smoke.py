@@ -42,7 +42,7 @@ vLLM checks (`SKIP <check>: vLLM not installed` without it):
    train-v1runner-sleep1 with vLLM's older model runner; train-zero3-sleep1 under ZeRO-3, and eval-vllm on its
    final/. Each run finishes, and rollout/vllm_logprob_gap (mean |log pi_vllm - log pi_trainer|) is small (each step's
    <= GAP_MAX) and flat (the last <= 2 x the first + GAP_FLOOR). Sleep levels 2 and 0 and the v1 runner: GPU only.
-10. In one child (--in-process), the scripts' pieces in their order: make_policy, make_sampler, then per sleep level 1,
+10. In one child (--in-process), the scripts' pieces in their order: make_policy, start_engine, then per sleep level 1,
    2, 0: generate, sleep, a training step, push_weights(..., wake=True); GPU memory printed at each stage.
    memory-sleep: each sleep frees at least the weights, each wake takes back >= 90% of it (GPU only). push-sleep1, 2, 0:
    three parameters read back from the engine equal the trainer's exactly, the step changed them, the engine is awake,
@@ -736,13 +736,14 @@ def kernels(a) -> None:
 
 
 def in_process(a) -> None:
-    """make_policy + make_sampler in this process; per sleep level (GPU 1, 2, 0; CPU 0): generate, sleep, one training
+    """make_policy + start_engine in this process; per sleep level (GPU 1, 2, 0; CPU 0): generate, sleep, one training
     step, push (and wake); memory, parameter equality and the sampler's gap, as SMOKE lines."""
     import torch
     from bench_gpu import QWEN25_15B, TINY, build_model_dir
 
     import grpo_vanilla as gv
     from utils import batching, distributed, logprobs, models, vllm_engine
+    from utils.sampler import Sampler
 
     def say(line: str) -> None:
         print(f"SMOKE {line}", flush=True)
@@ -782,7 +783,7 @@ def in_process(a) -> None:
     policy = models.make_policy(args, on_gpu, n_seqs // mbs, updates_per_step=1)[0]
     if on_gpu:
         memory("after DeepSpeed init")
-    sampler = vllm_engine.make_sampler(args, 0, on_gpu, None, launch)
+    sampler = vllm_engine.start_engine(args, 0, on_gpu, None, launch)
     if on_gpu:
         memory("after engine init")
     runner = getattr(getattr(sampler.llm_engine, "vllm_config", None), "use_v2_model_runner", "unknown")
@@ -798,7 +799,7 @@ def in_process(a) -> None:
 
     def rollouts(round_: int):
         seeds = [round_ * 1000 + j * sz["G"] for j in range(len(prompts))]
-        samples = gv.generate(args, sampler, policy, None, prompts, seeds, sz["G"], False)
+        samples = Sampler(sampler, args).generate(prompts, seeds, sz["G"])  # the scripts' sampler on this engine
         seq_prompts = [prompts[k // sz["G"]] for k in range(len(samples))]
         return [(seq_prompts[i : i + mbs], samples[i : i + mbs]) for i in range(0, len(samples), mbs)]
 
@@ -882,7 +883,7 @@ def long_context(a) -> None:
     """Issue 57's ZeRO-3 bf16 finding and the sleep levels, in one process and one vLLM engine, on LONG's model (built
     once under --work-dir): a plain from_pretrained in the training dtype (its buffers: the reference), then the policy
     through the scripts' own path (utils.models.make_policy) under ZeRO-2 and ZeRO-3, then the engine
-    (vllm_engine.make_sampler, sleep mode on on GPU). SMOKE lines:
+    (vllm_engine.start_engine, sleep mode on on GPU). SMOKE lines:
     zero2-buffers, zero3-buffers: every buffer of each policy against the plain load (buffer_mismatches).
     zero3-logprobs: ZeRO-3's log-probs of the response tokens after the long prompts against ZeRO-2's (SAME_TRAINER).
     long-gap-zero2: the engine's sampled-token log-probs against the ZeRO-2 policy's (LONG_GAP).
@@ -979,12 +980,12 @@ def long_context(a) -> None:
         return
     from vllm import SamplingParams
 
-    sampler = vllm_engine.make_sampler(args_for(2), 0, on_gpu, policies[2], launch)
+    sampler = vllm_engine.start_engine(args_for(2), 0, on_gpu, policies[2], launch)
     rounds = iter(range(10**6))
 
     def sample() -> list:
         """G samples of each prompt: (prompt, response, the engine's log-probs of its tokens). logprobs=0: the sampled
-        token's alone (vllm/sampling_params.py l. 339-345), after temperature (make_sampler's logprobs_mode)."""
+        token's alone (vllm/sampling_params.py l. 339-345), after temperature (start_engine's logprobs_mode)."""
         r = next(rounds)
         fixed = {"n": G, "temperature": 1.0, "top_p": 1.0, "max_tokens": R, "logprobs": 0, "detokenize": False}
         params = [SamplingParams(seed=r * 1000 + j, **fixed) for j in range(n_prompts)]

@@ -9,7 +9,7 @@ import sys
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from utils import distributed, generation_server, lifecycle  # noqa: E402
+from utils import distributed, generation_server, lifecycle, sampler  # noqa: E402
 
 
 def gloo_workers() -> int:
@@ -22,7 +22,7 @@ atexit.register(lambda: print(f"gloo workers at exit: {gloo_workers()}", flush=T
 launch = distributed.init_distributed(1)[-1]
 args = SimpleNamespace(max_staleness=1, vllm_tensor_parallel_size=1, group_size=2)
 llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: None)))  # close_engine's
-if launch.serving:  # until trainer 0's stop, then exits
-    generation_server.make_sampler = lambda *a: llm
-    generation_server.serve(launch, args, None, None, [], 1)
-lifecycle.shutdown(launch.make_engine(args.max_staleness), launch)  # the trainers
+if launch.serving:  # until trainer 0's stop, then ends
+    generation_server.make_sampler = lambda *a: sampler.Sampler(llm, args)
+    raise SystemExit(generation_server.serve(launch, args, None, [], 1))
+lifecycle.shutdown(sampler.RolloutRankSampler(launch.make_engine(args.max_staleness), args), launch)  # the trainers

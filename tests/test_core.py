@@ -9,6 +9,7 @@ import grpo_klcov as kc
 import grpo_vanilla as gv
 from utils import batching, logprobs, rollouts, tracking
 from utils.data import load_tokenizer, step_prompt_indices
+from utils.sampler import Sample
 
 
 def test_group_advantages_normalise_within_groups():
@@ -145,14 +146,17 @@ def test_collect_for_gives_the_same_mini_batches_on_any_world_size(testbed):
     args = gv.Args(num_prompts_per_step=8, num_mini_batches=2, group_size=2, seed=3)
     data = [([100 + i], str(i)) for i in range(30)]  # the prompt's one token id names its dataset index
 
-    def sample(prompts, seeds):  # per prompt: sample 0 boxes the right answer, sample 1 a wrong one
-        texts = [
-            f"{seed + k} \\boxed{{{p[0] - 100 if k == 0 else -1}}}" for p, seed in zip(prompts, seeds) for k in (0, 1)
-        ]
-        return [gv.Sample(tok.encode(t, add_special_tokens=False), None, False) for t in texts]
+    class Sampler:  # per prompt: sample 0 boxes the right answer, sample 1 a wrong one
+        def generate(self, prompts, seeds, n):
+            texts = [
+                f"{seed + k} \\boxed{{{p[0] - 100 if k == 0 else -1}}}"
+                for p, seed in zip(prompts, seeds)
+                for k in (0, 1)
+            ]
+            return [Sample(tok.encode(t, add_special_tokens=False), [], False) for t in texts]
 
     def collect(consumed, ranks, world_size):
-        after, parts = rollouts.collect_for(args, consumed, data, tok, sample, 1, ranks, world_size)
+        after, parts = rollouts.collect_for(args, consumed, data, tok, Sampler(), 1, ranks, world_size)
         assert after == consumed + 8  # no --filter-groups: the step takes the next P prompts
         return [parts[r] for r in ranks]
 

@@ -101,16 +101,15 @@ def find_intact(path: str) -> str | None:
     return None
 
 
-def load(engine, checkpoint: dict, rank: int, launch):
-    """Restore the DeepSpeed engine (weights, optimizer, scheduler), this rank's RNG states and, beside rollout ranks,
-    its batches in flight (into `launch`, utils/split_launch.py); (step, method_state, prompts consumed: where the next
-    step's prompts start in the stream, step x P in checkpoints that predate it)."""
+def load(engine, checkpoint: dict, rank: int):
+    """Restore the DeepSpeed engine (weights, optimizer, scheduler) and this rank's RNG states (the sampler gets the
+    weights and any batches in flight in its `resume`: utils/sampler.py); (step, method_state, prompts consumed: where
+    the next step's prompts start in the stream, step x P in checkpoints that predate it)."""
     engine.load_checkpoint(checkpoint["path"], tag="state")
     rng = torch.load(os.path.join(checkpoint["path"], f"rng_rank{rank}.pt"), weights_only=False)
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
-    launch.restore(checkpoint, rank)
     consumed = checkpoint.get("consumed", checkpoint["step"] * checkpoint["args"]["num_prompts_per_step"])
     return checkpoint["step"], checkpoint["method_state"], consumed
 
@@ -136,12 +135,12 @@ def _write_problem(error: Exception, where: str) -> str:
 
 
 def save(
-    engine, run_dir: str, step: int, method_state: dict, args, rank: int, final: bool, consumed: int, launch
+    engine, run_dir: str, step: int, method_state: dict, args, rank: int, final: bool, consumed: int, sampler
 ) -> bool:
     """Write a checkpoint to a temporary directory with every file's size and sha256, then rename it: a crash never
     leaves a partial step_* dir; older checkpoints are rotated only after the new one is complete. Every rank must hold
     the same step, method state and `consumed` (the prompts of the stream used: utils.rollouts) (checked here); beside
-    rollout ranks a trainer's batches in flight go with it (`launch`, utils/split_launch.py: nothing where colocated).
+    rollout ranks a trainer's batches in flight go with it (`sampler`, utils/sampler.py: nothing where colocated).
 
     It is checked first that the disk has room for it. A checkpoint that cannot be written (no room, or a write error
     such as a full disk) leaves no partial directory behind; a periodic one is skipped with a warning naming the
@@ -177,7 +176,7 @@ def save(
             try:
                 rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
                 torch.save({"state": state, **rng}, os.path.join(tmp, f"rng_rank{rank}.pt"))
-                launch.save_in_flight(tmp)  # beside rollout ranks: the batches in flight (--max-staleness)
+                sampler.save_in_flight(tmp)  # beside rollout ranks: the batches in flight (--max-staleness)
             except (OSError, RuntimeError) as e:
                 problem = _write_problem(e, tmp)
         problem = _first_problem(problem)

@@ -12,10 +12,9 @@ import torch
 import torch.distributed as dist
 
 from . import rollouts
-from .distributed import tensor_parallel_group
 from .lifecycle import StopSignal, shutdown
+from .sampler import make_sampler
 from .split_launch import broadcast, send
-from .vllm_engine import make_sampler
 
 _told = threading.Lock()
 
@@ -48,21 +47,17 @@ class _Sender(threading.Thread):
         self.join()
 
 
-def serve(launch, args, generate, tokenizer, train_data: list, grading_workers: int) -> None:
-    """A rollout rank's life: start its part of an engine (vllm_engine.make_sampler), then run trainer 0's commands
-    until "stop": collect a step's batch for the trainer ranks it plays (the script's `generate` samples), load
-    weights, generate for an evaluation. Exits the process at the end."""
+def serve(launch, args, tokenizer, train_data: list, grading_workers: int) -> int:
+    """A rollout rank's life: start its part of an engine (sampler.make_sampler), then run trainer 0's commands until
+    "stop": collect a step's batch for the trainer ranks it plays, load weights, generate for an evaluation. Returns
+    the process's exit status (0) when the trainers stop: the script ends the process with it."""
     rank, on_gpu = dist.get_rank(), launch.device.type == "cuda"
     T, K, tp = launch.trainers, launch.rollouts, args.vllm_tensor_parallel_size
     played = list(range(rank, T, K))  # trainer ranks whose batches this rank generates and sends
-    engine = make_sampler(args, rank, on_gpu, None, launch)
-    group = tensor_parallel_group(tp, launch)  # the rollout ranks sharing this rank's engine
-    stop = StopSignal(launch)
+    sampler = make_sampler(args, rank, on_gpu, None, tokenizer, launch)  # its part of a vLLM engine, never asleep
+    engine = sampler.llm
+    stop = StopSignal(sampler)
     sender, consumed = _Sender(launch), 0
-
-    def sample(prompts, seeds):
-        return generate(args, engine, None, tokenizer, prompts, seeds, args.group_size, False, group)
-
     while True:
         try:
             kind, payload = broadcast(None, launch.link)
@@ -77,7 +72,7 @@ def serve(launch, args, generate, tokenizer, train_data: list, grading_workers: 
             consumed = payload
         elif kind == "collect":
             consumed, parts = rollouts.collect_for(
-                args, consumed, train_data, tokenizer, sample, grading_workers, played, T
+                args, consumed, train_data, tokenizer, sampler, grading_workers, played, T
             )
             for r in played:
                 sender.queue.put((r, ("batch", parts[r], stop.requested)))
@@ -98,5 +93,5 @@ def serve(launch, args, generate, tokenizer, train_data: list, grading_workers: 
                     sender.queue.put((r, ("outputs", outputs[first : first + n], stop.requested)))
                 first += n
     sender.close()
-    shutdown(engine, launch)
-    raise SystemExit(0)
+    shutdown(sampler, launch)
+    return 0

@@ -11,16 +11,14 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoints
-from .split_launch import Engine
-from .vllm_engine import close_engine
 
 
 class StopSignal:
     """SIGTERM (schedulers send it before preemption) and SIGINT set a flag; the loop checkpoints, then exits. Beside
-    rollout ranks a rollout rank's signal counts too (the launch's SplitLaunch)."""
+    rollout ranks a rollout rank's signal counts too (`sampler`: utils/sampler.py RolloutRankSampler)."""
 
-    def __init__(self, launch):
-        self.requested, self.launch = False, launch
+    def __init__(self, sampler):
+        self.requested, self.sampler = False, sampler
         signal.signal(signal.SIGTERM, self._request)
         signal.signal(signal.SIGINT, self._request)
 
@@ -29,7 +27,7 @@ class StopSignal:
 
     def agreed(self, device) -> bool:
         """Whether any rank got a signal (a collective: every rank calls it at the same point)."""
-        flag = torch.tensor([float(self.requested or self.launch.stop_requested())], device=device)
+        flag = torch.tensor([float(self.requested or self.sampler.stop_requested())], device=device)
         dist.all_reduce(flag)
         self.requested = bool(flag.item())
         return self.requested
@@ -77,12 +75,10 @@ def check_bad_steps(bad_steps: int, skipped: int, max_bad_steps: int, run_dir: s
 
 
 def shutdown(sampler, launch) -> None:
-    """The end of a run: the vLLM engine shut down explicitly (close_engine; the rollout ranks' stop), then the
-    process groups it left, and with --rollout-ranks the two between the worlds (SplitLaunch.close)."""
-    if isinstance(sampler, Engine):
-        sampler.close()
-    elif sampler is not None:
-        close_engine(sampler)
+    """The end of a run: the sampler closed (utils/sampler.py: the vLLM engine shut down explicitly, or the rollout
+    ranks told to stop), then the process groups it left, and with --rollout-ranks the two between the worlds
+    (SplitLaunch.close)."""
+    sampler.close()
     if dist.is_initialized():  # DeepSpeed's, which also drops its references to the groups (its data-parallel group)
         deepspeed.comm.destroy_process_group()  # deepspeed/comm/comm.py l. 187-196
     launch.close()  # their gloo threads joined before the interpreter's exit, which would abort one still busy

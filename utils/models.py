@@ -177,34 +177,3 @@ def later_training_bytes(n_params: int, largest: int, world_size: int, offload: 
     not counted (the engine sleeps while the policy trains)."""
     partitioned = 0 if offload else 12 * n_params / world_size
     return int(partitioned + 2 * 4 * BUCKET_ELEMENTS + 4 * largest)
-
-
-def hf_generate(policy, tokenizer, prompts: list, n: int, greedy: bool, seed: int, args) -> list:
-    """[(response ids, truncated)], n per prompt, prompt-major: HF generate on the DeepSpeed policy's module, one seeded
-    left-padded batch (the fallback of the scripts' generate without a vLLM sampler: --no-use-vllm)."""
-    torch.manual_seed(seed)
-    width, pad, eos = max(len(p) for p in prompts), tokenizer.pad_token_id, tokenizer.eos_token_id
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts for _ in range(n)])
-    starts = torch.tensor([width - len(p) for p in prompts for _ in range(n)])
-    attention_mask = (torch.arange(width)[None] >= starts[:, None]).long()
-    policy.module.eval()
-    with torch.no_grad():
-        out = policy.module.generate(
-            input_ids=input_ids.to(policy.device),
-            attention_mask=attention_mask.to(policy.device),
-            max_new_tokens=args.max_response_length,
-            do_sample=not greedy,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=0,
-            pad_token_id=pad,
-            eos_token_id=eos,
-            synced_gpus=args.zero_stage == 3,
-            use_cache=True,
-        )
-    policy.module.train()
-    rows = out[:, width:].tolist()
-    return [
-        (row[: row.index(eos) + 1], False) if eos in row else (row, len(row) == args.max_response_length)
-        for row in rows
-    ]

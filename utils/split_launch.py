@@ -9,11 +9,11 @@ rollout ranks: trainer 0's commands, and the weights one parameter at a time, ov
 process, gloo: each rollout rank sends the trainer ranks it generates for their batches and evaluation samples, from a
 sender thread).
 
-On the trainers the scripts' sampler is an Engine, a stand-in for vLLM's LLM (generate, apply_model,
-reset_prefix_cache: the scripts' generate, push_weights and evaluate run unchanged), and rollouts.collect returns the
-batch the rollout ranks collected for the step (receive). The rollout ranks run utils/generation_server.py's `serve`:
-rollouts.collect_for itself (generation, grading, dynamic sampling) for the trainer ranks each plays (r % K), the
-commands in trainer 0's order. This module imports nothing from utils/ and keeps no module-level state.
+On the trainers the scripts' sampler (utils/sampler.py RolloutRankSampler) drives an Engine, a stand-in for vLLM's LLM
+(generate, apply_model, reset_prefix_cache: the sampler's generate and push run unchanged), and rollouts.collect returns
+the batch the rollout ranks collected for the step (receive). The rollout ranks run utils/generation_server.py's
+`serve`: rollouts.collect_for itself (generation, grading, dynamic sampling) for the trainer ranks each plays (r % K),
+the commands in trainer 0's order. This module imports nothing from utils/ and keeps no module-level state.
 
 Staleness, exactly: the batch trained at step t is collected after the weights of step t - s (the policy after t - s
 updates) have replaced the previous ones and before the next: trainer 0 sends collect(t + s) at the start of step t,
@@ -41,15 +41,14 @@ defaults are 10 minutes for NCCL, 30 for gloo (torch/distributed/distributed_c10
 
 class SplitLaunch:
     """This process's place in the launch, made once by distributed.init_distributed and held by the script, which
-    passes it where the split matters: the sampler (vllm_engine.make_sampler: an Engine on a trainer), the step's batch
-    (rollouts.collect), the batches in flight (checkpoints: save, restore), the stop signal and the end (close).
+    passes it where the split matters: the sampler (utils/sampler.py make_sampler: on a trainer an Engine, which also
+    holds the batches in flight), the rollout ranks' life (utils/generation_server.py serve) and the end (close).
     `rollouts` 0: nothing split (colocated engines), every process trains. Else the first processes of the launch
     train, the last `rollouts` only generate (`serving`), each side in a torch.distributed world of its own."""
 
     def __init__(self, rollouts: int = 0, backend: str = "", device=None):
         self.rollouts, self.serving, self.device = rollouts, False, device
-        self.bridge = self.link = self.weights = self.engine = None  # the groups between the worlds; the Engine
-        self.in_flight = []  # the batches in flight of the checkpoint resumed, for the Engine
+        self.bridge = self.link = self.weights = None  # the groups between the worlds
         if not rollouts:
             return
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -88,30 +87,9 @@ class SplitLaunch:
         return self.rollouts > 0 and not self.serving
 
     def make_engine(self, staleness: int) -> "Engine":
-        """A trainer's stand-in for vLLM's LLM (vllm_engine.make_sampler), --max-staleness `staleness` steps ahead."""
-        self.engine = Engine(staleness, self)
-        return self.engine
-
-    def stop_requested(self) -> bool:
-        """A rollout rank got a stop signal (it tells the trainers with each batch; they stop as after their own)."""
-        return self.engine is not None and self.engine.stop
-
-    def receive(self, consumed: int):
-        """This trainer's batch of the step (rollouts.collect beside rollout ranks)."""
-        return self.engine.receive(consumed)
-
-    def save_in_flight(self, directory: str) -> None:
-        """Into a checkpoint being written (utils/checkpoints.py): this trainer's batches in flight."""
-        if self.engine is not None:
-            self.engine.save(directory)
-
-    def restore(self, checkpoint: dict, rank: int) -> None:
-        """On resume (utils/checkpoints.py): this trainer's batches in flight at the checkpoint."""
-        if checkpoint["args"].get("rollout_ranks") and checkpoint["args"].get("max_staleness"):
-            path = os.path.join(checkpoint["path"], f"rollouts_rank{rank}.pt")
-            if not os.path.exists(path):
-                raise SystemExit(f"error: {checkpoint['path']} lacks {os.path.basename(path)}, its batches in flight")
-            self.in_flight = torch.load(path, weights_only=False)
+        """A trainer's stand-in for vLLM's LLM (utils/sampler.py RolloutRankSampler), --max-staleness `staleness` steps
+        ahead."""
+        return Engine(staleness, self)
 
     def failed(self, peer: str, error: Exception) -> SystemExit:
         """The one line of a process whose peer is gone."""
@@ -165,15 +143,16 @@ def broadcast(obj, group, tensor=None):
 class Engine:
     """The trainers' stand-in for vLLM's LLM, whose engines run on the rollout ranks (the module docstring).
 
-    A resumed run's batches in flight come from its checkpoint (restore).
+    A resumed run's batches in flight come from its checkpoint (restore). A rollout rank's stop signal comes with each
+    batch (`stop`): the trainers stop as after their own.
     """
 
     def __init__(self, staleness: int, launch: SplitLaunch):
         self.launch, self.s, self.rank = launch, staleness, dist.get_rank()
         self.stop, self.pushing = False, False
         self.source = launch.trainers + self.rank % launch.rollouts  # the bridge rank that sends to this rank
-        self.ready = deque(launch.in_flight)  # batches received for the next steps, in step order
-        self.received, self.issued = 0, len(self.ready)  # steps received, and collected or asked for, since start
+        self.ready = deque()  # batches received for the next steps, in step order
+        self.received, self.issued = 0, 0  # steps received, and collected or asked for, since start
 
     def _command(self, kind: str, payload=None) -> None:
         if self.rank == 0:
@@ -249,6 +228,16 @@ class Engine:
             self._take()
         if self.s:
             torch.save(list(self.ready), os.path.join(directory, f"rollouts_rank{self.rank}.pt"))
+
+    def restore(self, checkpoint: dict) -> None:
+        """On resume, before the first step: the batches in flight at the checkpoint (`checkpoint`: its record, as
+        utils/resume.py found it), if it has any."""
+        if checkpoint["args"].get("rollout_ranks") and checkpoint["args"].get("max_staleness"):
+            path = os.path.join(checkpoint["path"], f"rollouts_rank{self.rank}.pt")
+            if not os.path.exists(path):
+                raise SystemExit(f"error: {checkpoint['path']} lacks {os.path.basename(path)}, its batches in flight")
+            self.ready.extend(torch.load(path, weights_only=False))
+            self.issued = len(self.ready)
 
     def close(self) -> None:
         self._command("stop")

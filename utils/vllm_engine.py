@@ -1,6 +1,5 @@
-"""The colocated vLLM engine of a rank (the sampler): its start (import, GPU memory check, the CPU shims), the weight
-push from the DeepSpeed policy, and its shutdown. On trainers beside rollout ranks the sampler is their stand-in
-(utils/split_launch.py Engine)."""
+"""The colocated vLLM engine of a rank (behind utils/sampler.py's Sampler): its start (import, GPU memory check, the CPU
+shims), the weight push from the DeepSpeed policy, and its shutdown."""
 
 import atexit
 import gc
@@ -141,12 +140,10 @@ def name_vllm_cpu_shm() -> None:
     )
 
 
-def make_sampler(args, rank: int, on_gpu: bool, policy, launch):
+def start_engine(args, rank: int, on_gpu: bool, policy, launch):
     """This process's part of a vLLM engine in the torch.distributed world (external launcher): its own engine with
-    --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks).
-    `launch` (utils/split_launch.py): on a trainer beside rollout ranks, which run the engines, a stand-in for them."""
-    if launch.trains:
-        return launch.make_engine(args.max_staleness)
+    --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks);
+    `launch.serving`: a rollout rank's (utils/split_launch.py)."""
     LLM = import_vllm()
     check_vllm_memory(args, on_gpu, policy)  # its budget is free now, with room for the training state: or why not
     if not on_gpu:
