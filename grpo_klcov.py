@@ -429,9 +429,7 @@ if __name__ == "__main__":
         raise SystemExit(serve(launch, args, tokenizer, train_data, grading_workers))
     selector = TokenSelection(args)  # the 80/20 rule
     select = selector.scope  # where it selects: global, microbatch or None (off)
-    # else the training forward computes the old log-probs; a global selection needs the entropies before training
-    separate_pass = updates_per_step > 1 or args.kl_coef > 0 or select == "global" or args.max_staleness > 0
-    train_entropy = not separate_pass or select == "microbatch"  # the training forward's: old, or to select by
+    train_entropy = select == "microbatch"  # the training forward's entropies: to select by
     grad_accum = args.num_prompts_per_step // (args.num_mini_batches * world_size) * G // mbs  # micro-batches/update
     policy, scheduler, ref_policy = models.make_policy(args, on_gpu, grad_accum, updates_per_step)
     # method_state: what a method carries across steps (saved in checkpoints)
@@ -475,21 +473,19 @@ if __name__ == "__main__":
         sampler_logps = [torch.tensor([x for k in g for x in samples[k].sampler_logps]).to(device) for g in indices]
 
         # ---- log-prob pass: the sampling policy's log-probs and entropy, the reference policy's log-probs ----
-        # a single on-policy update without reference policy skips it: its training forward gives them (old = current)
         t0 = time.time()
         old_logps, ref_logps, entropies = [], [], []  # one flat tensor per micro-batch
         sums = dict.fromkeys(["entropy", "loss", "clipped", "approx_kl", "ref_kl"], 0.0)  # over the step, then ranks
         sums.update(dict.fromkeys(["kept", "kept_entropy", "threshold", "selections"], 0.0))  # the 80/20 rule
         sums.update(dict.fromkeys(tracking.CLIP_SUMS, 0.0))  # where the ratio left the clip range
-        if separate_pass:
-            with torch.no_grad():
-                for batch in batches:
-                    logp, entropy, _ = logprobs(policy, batch, with_entropy=True)
-                    old_logps.append(logp)
-                    entropies.append(entropy)
-                    sums["entropy"] += entropy.sum().double()
-                    if ref_policy is not None:
-                        ref_logps.append(logprobs(ref_policy, batch)[0])
+        with torch.no_grad():
+            for batch in batches:
+                logp, entropy, _ = logprobs(policy, batch, with_entropy=True)
+                old_logps.append(logp)
+                entropies.append(entropy)
+                sums["entropy"] += entropy.sum().double()
+                if ref_policy is not None:
+                    ref_logps.append(logprobs(ref_policy, batch)[0])
         metrics["time/logprob"] = time.time() - t0
 
         # ---- training: mini-batches of the rollout batch, the loss normalised over all ranks ----
@@ -515,10 +511,6 @@ if __name__ == "__main__":
                 for i in mb:
                     batch = batches[i]
                     logp, entropy, _ = logprobs(policy, batch, with_entropy=train_entropy)
-                    if not separate_pass:  # the weights that sampled the batch: their log-probs are the old ones
-                        old_logps.append(logp.detach())
-                        entropies.append(entropy.detach())
-                        sums["entropy"] += entropy.sum().double()
                     old_logp, adv = old_logps[i], batch["advantages"]
                     weights = token_weights(batch["lengths"], *aggregation).to(device)
                     if args.cov_scope == "global":

@@ -28,8 +28,8 @@ Mapping of one training step (one rollout batch of P prompts x G completions, M 
   num_iterations 1, gradient_accumulation_steps 1, loss_type "dapo" (token sum / active tokens of the whole
   generation batch = our token-mean); a callback times on_step_begin -> on_step_end of each optimizer step, and the
   M steps that share one generation are summed.
-With M = 1 both skip the "old log-prob" forward (old = current, detached; ours takes entropy/full from the training
-forward); with M > 1 both run it. With vLLM TRL always runs it.
+With M = 1 TRL skips the "old log-prob" forward (old = current, detached) and ours runs it (its old log-probs come
+from that pass in every run, since December 2026); with M > 1 both run it. With vLLM TRL always runs it.
 
 Each variant runs as its own subprocess, variants alternating (A B A B ...) --repeats times (with --max-load, each
 run first waits up to --max-wait seconds for the 1-minute load average to drop below it); the first --warmup steps

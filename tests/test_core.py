@@ -1,7 +1,10 @@
 """Unit tests of the math every script shares: advantages, loss aggregation, chunked log-probs/entropy."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import grpo_aent as ga
 import grpo_entadv as ge
@@ -9,7 +12,7 @@ import grpo_klcov as kc
 import grpo_vanilla as gv
 from utils import batching, logprobs, rollouts, tracking
 from utils.data import load_tokenizer, step_prompt_indices
-from utils.sampler import Sample
+from utils.sampler import HFSampler, Sample
 
 
 def test_group_advantages_normalise_within_groups():
@@ -270,3 +273,25 @@ def test_logprob_entropy_backward_with_one_output_outside_the_loss(used):
     log_probs = torch.log_softmax(z / 0.8, dim=-1)
     ref = log_probs.gather(-1, targets[:, None]).sum() if used == "logp" else -(log_probs.exp() * log_probs).sum()
     assert torch.allclose(grad, torch.autograd.grad(ref, z)[0], atol=1e-12)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_hf_sampler_records_each_sampled_tokens_logprob_after_temperature(testbed, temperature):
+    """HFSampler (--no-use-vllm) returns each sampled token's log-prob at the sampling temperature, as vLLM's
+    processed log-probs are: equal to a forward of prompt + response through the same model, for left-padded prompts
+    of different lengths, one log-prob per response token (responses end at eos)."""
+    model = AutoModelForCausalLM.from_pretrained(testbed.model_dir, dtype=torch.float32)
+    tok = load_tokenizer(testbed.model_dir)
+    args = SimpleNamespace(temperature=temperature, top_p=1.0, max_response_length=16, zero_stage=2)
+    sampler = HFSampler(SimpleNamespace(module=model, device=torch.device("cpu")), tok, args)
+    prompts = [tok.encode("What is 2 + 3?"), tok.encode("Compute 12 times 7, then add 5 to the result.")]
+    samples = sampler.generate(prompts, [5, 6], 3)
+    assert len(samples) == 6
+    with torch.no_grad():
+        for k, s in enumerate(samples):
+            prompt = prompts[k // 3]
+            ids = torch.tensor([prompt + s.ids])
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+            expected = torch.log_softmax(logits, dim=-1).gather(1, ids[0, len(prompt) :, None]).squeeze(1)
+            assert len(s.sampler_logps) == len(s.ids) > 0
+            assert torch.allclose(torch.tensor(s.sampler_logps), expected, atol=1e-4), (k, s)

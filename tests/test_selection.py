@@ -118,7 +118,7 @@ METHODS = {
 @pytest.mark.parametrize("script", list(METHODS))
 def test_microbatch_scope_selects_per_micro_batch_from_the_current_entropies(testbed, tmp_path, script):
     """TRL's scope, 2 ranks x 2 micro-batches per mini-batch: one threshold per micro-batch (of both ranks), from the
-    training forward's entropies; the single-update path (no log-prob pass) included for vanilla."""
+    training forward's entropies; vanilla at one update per step, where the training forward is on-policy."""
     flags = {
         **SELECT,
         **METHODS[script],
