@@ -26,14 +26,14 @@ import torch.distributed as dist
 import tyro
 from tqdm import tqdm
 
-from utils import batching, checkpoints, distributed, lifecycle, models, ops, rollouts, tracking
+from utils import batching, checkpoints, distributed, generation_server, lifecycle, models, ops, rollouts, tracking
 from utils.checks import check_args
 from utils.data import check_model, eval_prompts, load_tokenizer, tokenized_prompts
-from utils.generation_server import serve
 from utils.logprobs import response_logprobs
 from utils.resume import open_run
 from utils.reward import default_grading_workers
 from utils.sampler import make_sampler
+from utils.split_launch import SplitLaunch
 
 
 @dataclass
@@ -352,7 +352,8 @@ def evaluate(args, sampler, policy, tokenizer, eval_data: list, logprobs) -> dic
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    rank, local_rank, world_size, device, on_gpu, launch = distributed.init_distributed(args.rollout_ranks)
+    launch = SplitLaunch(args.rollout_ranks)  # with --rollout-ranks, the launch split into trainers and rollout ranks
+    rank, local_rank, world_size, device, on_gpu = distributed.init_distributed(launch)
     validate_args(args, world_size)
     check_model(args)  # the model loads and the context fits it
     args.world_size, args.git_commit = world_size, tracking.git_commit()
@@ -376,16 +377,15 @@ if __name__ == "__main__":
     updates_per_step = args.num_mini_batches * args.num_epochs
     grading_workers = args.grading_workers or default_grading_workers()
     if launch.serving:  # a rollout rank generates for the trainers until they stop: its process ends here
-        raise SystemExit(serve(launch, args, tokenizer, train_data, grading_workers))
+        raise SystemExit(generation_server.serve(launch, args, tokenizer, train_data, grading_workers))
     selector = TokenSelection(args)  # the 80/20 rule
     select = selector.scope  # where it selects: global, microbatch or None (off)
     train_entropy = select == "microbatch"  # the training forward's entropies: to select by
     train_entropy = train_entropy or args.wr_entropy_coef > 0  # W-REINFORCE: the authors' entropy bonus
     grad_accum = args.num_prompts_per_step // (args.num_mini_batches * world_size) * G // mbs  # micro-batches/update
     policy, scheduler, ref_policy = models.make_policy(args, on_gpu, grad_accum, updates_per_step)
-    # method_state: what a method carries across steps (saved in checkpoints)
-    start_step, method_state = 0, {}
-    consumed = 0  # prompts of the seeded stream used so far
+    # consumed: prompts of the seeded stream used so far; method_state: what a method carries across steps (both saved)
+    start_step, consumed, method_state = 0, 0, {}
     if resumed:
         start_step, method_state, consumed = checkpoints.load(policy, resumed, rank)
     calls = models.head_calls(args)  # ZeRO-3: every rank calls the output head equally often (None: any number)

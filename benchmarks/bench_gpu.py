@@ -133,7 +133,7 @@ def main():
     import grpo_vanilla as gv
     from utils import batching, distributed, logprobs, models, vllm_engine
 
-    _, _, _, device, on_gpu, launch = distributed.init_distributed()
+    _, _, _, device, on_gpu = distributed.init_distributed()
     dtype = torch.bfloat16 if on_gpu else torch.float32
     dims = TINY if a.tiny or not on_gpu else QWEN25_15B
     rows = []
@@ -308,7 +308,7 @@ def main():
 
         if on_gpu:
             torch.cuda.empty_cache()
-        llm = vllm_engine.start_engine(args, 0, on_gpu, None, launch)
+        llm = vllm_engine.start_engine(args, 0, on_gpu, None)
         params = SamplingParams(
             n=1, temperature=1.0, max_tokens=a.gen_tokens, ignore_eos=True, detokenize=False, seed=0
         )

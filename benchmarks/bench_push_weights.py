@@ -101,7 +101,7 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", help="append the result as one JSON line to this file (rank 0)")
     a = p.parse_args()
-    rank, _, world_size, _, _, launch = distributed.init_distributed()
+    rank, _, world_size, _, _ = distributed.init_distributed()
     directory = a.model
     if directory is None:
         directory = [tempfile.mkdtemp(prefix="push-model-") if rank == 0 else None]
@@ -113,7 +113,7 @@ def main():
     args = Args(model_name_or_path=directory, zero_stage=a.zero_stage, max_prompt_length=64, max_response_length=64)
     args.vllm_kv_cache_memory = 0.25  # GiB: only the weights matter here
     policy, _, _ = models.make_policy(args, False, 1, 1)
-    sampler = start_engine(args, rank, False, policy, launch)
+    sampler = start_engine(args, rank, False, policy)
     params = list(policy.module.named_parameters())
     groups = push_groups(params)
     times, identical = {"per parameter": [], "grouped": []}, True

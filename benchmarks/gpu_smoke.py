@@ -748,7 +748,7 @@ def in_process(a) -> None:
     def say(line: str) -> None:
         print(f"SMOKE {line}", flush=True)
 
-    _, _, _, device, on_gpu, launch = distributed.init_distributed()
+    _, _, _, device, on_gpu = distributed.init_distributed()
     hw, dims = ("gpu", QWEN25_15B) if on_gpu else ("cpu", TINY)
     sz, dtype = IN_PROCESS[hw], torch.bfloat16 if on_gpu else torch.float32
     model_dir = os.path.join(os.path.abspath(a.work_dir), f"model-{'qwen2.5-1.5b-dims' if on_gpu else 'tiny'}")
@@ -783,7 +783,7 @@ def in_process(a) -> None:
     policy = models.make_policy(args, on_gpu, n_seqs // mbs, updates_per_step=1)[0]
     if on_gpu:
         memory("after DeepSpeed init")
-    sampler = vllm_engine.start_engine(args, 0, on_gpu, None, launch)
+    sampler = vllm_engine.start_engine(args, 0, on_gpu, None)
     if on_gpu:
         memory("after engine init")
     runner = getattr(getattr(sampler.llm_engine, "vllm_config", None), "use_v2_model_runner", "unknown")
@@ -902,7 +902,7 @@ def long_context(a) -> None:
     def say(line: str) -> None:
         print(f"SMOKE {line}", flush=True)
 
-    _, _, _, device, on_gpu, launch = distributed.init_distributed()
+    _, _, _, device, on_gpu = distributed.init_distributed()
     hw = "gpu" if on_gpu else "cpu"
     sz, dtype = LONG[hw], torch.bfloat16 if on_gpu else torch.float32
     dims, n_prompts, G, R = sz["dims"], sz["prompts"], sz["G"], sz["response_len"]
@@ -980,7 +980,7 @@ def long_context(a) -> None:
         return
     from vllm import SamplingParams
 
-    sampler = vllm_engine.start_engine(args_for(2), 0, on_gpu, policies[2], launch)
+    sampler = vllm_engine.start_engine(args_for(2), 0, on_gpu, policies[2])
     rounds = iter(range(10**6))
 
     def sample() -> list:

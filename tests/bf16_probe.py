@@ -186,7 +186,7 @@ CHECKS = {
 
 
 def main(checks: str, model_dir: str) -> None:
-    rank, _, world_size, _, _, _ = distributed.init_distributed()
+    rank, _, world_size, _, _ = distributed.init_distributed()
     torch.manual_seed(0)
     # the plain loads first: after a ZeRO-3 load every from_pretrained of the process goes through zero.Init
     state = {

@@ -94,7 +94,7 @@ CHECKS = {"load": check_load, "bucket": check_bucket, "bf16": check_bf16}
 
 def main(modes: str, model_dir: str, stage: int) -> None:
     """The comma-separated checks in turn, in one pair of processes (`load` first: it checks process-wide state)."""
-    rank, _, world_size, _, _, _ = distributed.init_distributed()
+    rank, _, world_size, _, _ = distributed.init_distributed()
     args = Args(model_name_or_path=model_dir, zero_stage=stage, micro_batch_size=2)
     for mode in modes.split(","):
         CHECKS[mode](args, model_dir, rank, world_size)

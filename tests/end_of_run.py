@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from utils import distributed, generation_server, lifecycle, sampler  # noqa: E402
+from utils.split_launch import SplitLaunch  # noqa: E402
 
 
 def gloo_workers() -> int:
@@ -19,7 +20,8 @@ def gloo_workers() -> int:
 
 
 atexit.register(lambda: print(f"gloo workers at exit: {gloo_workers()}", flush=True))
-launch = distributed.init_distributed(1)[-1]
+launch = SplitLaunch(1)
+distributed.init_distributed(launch)
 args = SimpleNamespace(max_staleness=1, vllm_tensor_parallel_size=1, group_size=2)
 llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: None)))  # close_engine's
 if launch.serving:  # until trainer 0's stop, then ends

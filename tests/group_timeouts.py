@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from deepspeed.utils import groups  # noqa: E402
 
 from utils import distributed  # noqa: E402
+from utils.split_launch import SplitLaunch  # noqa: E402
 
 
 def timeout(backend) -> float:
@@ -23,7 +24,8 @@ def timeout(backend) -> float:
 
 
 rollout_ranks, tp = int(sys.argv[1]), int(sys.argv[2])
-rank, _, _, device, _, launch = distributed.init_distributed(rollout_ranks)
+launch = SplitLaunch(rollout_ranks)
+rank, _, _, device, _ = distributed.init_distributed(launch)
 tp_group = distributed.tensor_parallel_group(tp, launch)
 zero_group = None if launch.serving else groups._get_data_parallel_group()  # ZeRO's reductions and gathers
 names = {dist.group.WORLD: "world", tp_group: "tensor-parallel", zero_group: "deepspeed-data-parallel"}

@@ -19,7 +19,7 @@ CHANGED = {
         "Args": [],
         "validate_args": ["check_args(args, world_size, method_checks=[])"],
         "__main__": [
-            "start_step, method_state = 0, {}",
+            "start_step, consumed, method_state = 0, 0, {}",
             "logp, entropy, _ = logprobs(policy, batch, with_entropy=True)",
             "logp, entropy, _ = logprobs(policy, batch, with_entropy=train_entropy)",
         ],
@@ -235,6 +235,8 @@ def test_no_import_cycle():
     names = {p[: -len(".py")].replace(os.sep, "."): p for p in files}
     graph = {name: imports(path, set(names)) - {name} for name, path in names.items()}
     assert {"utils.split_launch", "utils.rollouts"} <= graph["utils.generation_server"]  # relative imports are seen
+    # process setup is the floor the rollout-rank feature stands on, not the other way up
+    assert "utils.distributed" in graph["utils.split_launch"] and graph["utils.distributed"] <= {"utils.versions"}
 
     def cycle_from(start, node, path):
         for nxt in sorted(graph[node]):

@@ -1,4 +1,4 @@
-"""Every process group of a launch fails a collective after one timeout, utils/split_launch.TIMEOUT (issue 57): the
+"""Every process group of a launch fails a collective after one timeout, utils/distributed.TIMEOUT (issue 57): the
 trainers' world beside rollout ranks, the colocated world, the vLLM engines' tensor-parallel groups, DeepSpeed's
 data-parallel group, the groups between the worlds, and their stores. Before, the worlds and the groups made without a
 timeout kept their library's default (10 minutes for NCCL), which a generation round or a 32B save outlasts while the
@@ -9,7 +9,7 @@ import os
 import pytest
 from launch import CPU_ENV, ROOT, free_port, run_python
 
-from utils.split_launch import TIMEOUT
+from utils.distributed import TIMEOUT
 
 
 @pytest.mark.parametrize(

@@ -72,7 +72,7 @@ def test_a_rollout_ranks_engine_starts_without_sleep_mode(monkeypatch):
         dtype="auto",
     )
     for serving, sleep_mode in ((False, True), (True, False)):
-        vllm_engine.start_engine(args, 0, True, None, SimpleNamespace(trains=False, serving=serving))
+        vllm_engine.start_engine(args, 0, True, None, serving)
         assert started["enable_sleep_mode"] is sleep_mode, f"serving={serving}"
 
 

@@ -5,6 +5,7 @@ vLLM engines."""
 import importlib
 import os
 import sys
+from datetime import timedelta
 
 import deepspeed
 import torch
@@ -12,17 +13,28 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import groups
 
-from .split_launch import TIMEOUT, SplitLaunch, reason
 from .versions import too_old
 
+TIMEOUT = timedelta(hours=2)
+"""How long a collective, a message or a store key is waited for before the process fails, in every process group the
+launch makes (here and in utils/split_launch.py): a generation round of a long-context recipe (trainer 0 waits in the
+weight push while the other trainers wait in a collective), rank 0's save of a 32B model behind a barrier. torch's own
+defaults are 10 minutes for NCCL, 30 for gloo (torch/distributed/distributed_c10d.py l. 1623), DeepSpeed's 10."""
 
-def init_distributed(rollout_ranks: int = 0):
-    """(rank, local_rank, world_size, device, on_gpu, launch) of this process, torch.distributed initialised through
-    DeepSpeed; `launch` is its place in the launch (utils/split_launch.py SplitLaunch).
 
-    Without a launcher (`python grpo_vanilla.py`) it is a world of one process. With `rollout_ranks` > 0 the last
-    ones of the launch only generate: world_size counts the trainers, and a rollout rank's rank is its rank in the
-    launch (>= world_size).
+def reason(error: Exception) -> str:
+    """gloo's reason for a failed send or collective, without its source location and advice."""
+    return str(error).splitlines()[0].split("] ")[-1].split(". ")[0] if str(error) else type(error).__name__
+
+
+def init_distributed(launch=None):
+    """(rank, local_rank, world_size, device, on_gpu) of this process, torch.distributed initialised through
+    DeepSpeed. `launch`: its place in the launch (utils/split_launch.py SplitLaunch, started here before DeepSpeed);
+    None: every process trains.
+
+    Without a launcher (`python grpo_vanilla.py`) it is a world of one process. Beside rollout ranks (the launch's
+    last `launch.rollouts` processes only generate) world_size counts the trainers, and a rollout rank's rank is its
+    rank in the launch (>= world_size).
     """
     if problem := too_old():  # a one-line error, not a crash deep in a library
         raise SystemExit(f"error: {problem}")
@@ -38,16 +50,19 @@ def init_distributed(rollout_ranks: int = 0):
     else:  # DeepSpeed would compile a shared-memory comm op (~25 s) that gloo does not need
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         device = torch.device("cpu")
-    # with rollout ranks, two torch.distributed worlds: the trainers' and the rollout ranks'
-    launch = SplitLaunch(rollout_ranks, accelerator.communication_backend_name(), device)
+    rollouts = launch.rollouts if launch else 0
+    if rollouts:  # two torch.distributed worlds: the trainers' and the rollout ranks'
+        launch.start(accelerator.communication_backend_name(), device)
     # every group on TIMEOUT: DeepSpeed's default is 10 minutes (deepspeed/constants.py l. 19, comm/comm.py l. 848), and
     # a new_group given no timeout takes torch's default of its backend, not the world's (distributed_c10d.py l. 5982)
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), timeout=TIMEOUT)
-    if not launch.serving:  # ZeRO's data-parallel group, a copy of the world that DeepSpeed makes without a timeout
+    if not (
+        launch and launch.serving
+    ):  # ZeRO's data-parallel group, a copy of the world that DeepSpeed makes without a timeout
         groups._WORLD_GROUP = dist.new_group(list(range(dist.get_world_size())), timeout=TIMEOUT)  # groups.py l. 734
     if world_size > 1:
         one_line_when_a_peer_is_gone(rank)
-    return rank, local_rank, world_size - rollout_ranks, device, on_gpu, launch
+    return rank, local_rank, world_size - rollouts, device, on_gpu
 
 
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
@@ -90,7 +105,7 @@ def gather_ranks(x: torch.Tensor):
     return torch.cat([p[:n] for p, n in zip(parts, sizes)]), sum(sizes[: dist.get_rank()])
 
 
-def tensor_parallel_group(tp: int, launch: SplitLaunch):
+def tensor_parallel_group(tp: int, launch):
     """This rank's process group of the tp consecutive ranks that share one vLLM engine (None when tp is 1, and on
     trainers beside rollout ranks); every rank creates every group, in the same order, as torch.distributed requires."""
     if tp == 1 or launch.trains:

@@ -184,6 +184,6 @@ def make_sampler(args, rank: int, on_gpu: bool, policy, tokenizer, launch) -> Sa
         return HFSampler(policy, tokenizer, args)
     if launch.trains:
         return RolloutRankSampler(launch.make_engine(args.max_staleness), args)
-    llm = start_engine(args, rank, on_gpu, policy, launch)
+    llm = start_engine(args, rank, on_gpu, policy, launch.serving)
     group = tensor_parallel_group(args.vllm_tensor_parallel_size, launch)  # the ranks sharing this engine
     return Sampler(llm, args, group, args.vllm_sleep_level if on_gpu and not launch.serving else 0)

@@ -13,7 +13,8 @@ On the trainers the scripts' sampler (utils/sampler.py RolloutRankSampler) drive
 (generate, apply_model, reset_prefix_cache: the sampler's generate and push run unchanged), and rollouts.collect returns
 the batch the rollout ranks collected for the step (receive). The rollout ranks run utils/generation_server.py's
 `serve`: rollouts.collect_for itself (generation, grading, dynamic sampling) for the trainer ranks each plays (r % K),
-the commands in trainer 0's order. This module imports nothing from utils/ and keeps no module-level state.
+the commands in trainer 0's order. It stands above utils/distributed.py (process setup: distributed.init_distributed
+starts it) and keeps no module-level state.
 
 Staleness, exactly: the batch trained at step t is collected after the weights of step t - s (the policy after t - s
 updates) have replaced the previous ones and before the next: trainer 0 sends collect(t + s) at the start of step t,
@@ -27,28 +28,28 @@ import os
 import pickle
 import time
 from collections import deque
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-TIMEOUT = timedelta(hours=2)
-"""How long a collective, a message or a store key is waited for before the process fails, in every process group the
-launch makes (here, utils/distributed.py): a generation round of a long-context recipe (trainer 0 waits in the weight
-push while the other trainers wait in a collective), rank 0's save of a 32B model behind a barrier. torch's own
-defaults are 10 minutes for NCCL, 30 for gloo (torch/distributed/distributed_c10d.py l. 1623), DeepSpeed's 10."""
+from .distributed import TIMEOUT, reason
 
 
 class SplitLaunch:
-    """This process's place in the launch, made once by distributed.init_distributed and held by the script, which
-    passes it where the split matters: the sampler (utils/sampler.py make_sampler: on a trainer an Engine, which also
-    holds the batches in flight), the rollout ranks' life (utils/generation_server.py serve) and the end (close).
-    `rollouts` 0: nothing split (colocated engines), every process trains. Else the first processes of the launch
-    train, the last `rollouts` only generate (`serving`), each side in a torch.distributed world of its own."""
+    """This process's place in the launch, made once by the script and started by distributed.init_distributed
+    (start), then passed where the split matters: the sampler (utils/sampler.py make_sampler: on a trainer an Engine,
+    which also holds the batches in flight), the rollout ranks' life (utils/generation_server.py serve) and the end
+    (close). `rollouts` 0: nothing split (colocated engines), every process trains. Else the first processes of the
+    launch train, the last `rollouts` only generate (`serving`), each side in a torch.distributed world of its own."""
 
-    def __init__(self, rollouts: int = 0, backend: str = "", device=None):
-        self.rollouts, self.serving, self.device = rollouts, False, device
+    def __init__(self, rollouts: int = 0):
+        self.rollouts, self.serving, self.device = rollouts, False, None
         self.bridge = self.link = self.weights = None  # the groups between the worlds
+
+    def start(self, backend: str, device) -> None:
+        """Before DeepSpeed's init (distributed.init_distributed): with rollout ranks, the launch's world split into
+        the trainers' and the rollout ranks' worlds, and the groups between them; nothing without."""
+        rollouts, self.device = self.rollouts, device
         if not rollouts:
             return
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -104,11 +105,6 @@ class SplitLaunch:
         for group in {self.bridge, self.link, self.weights} - {None}:  # the weights' group is link's on CPUs
             group.shutdown()
         self.bridge = self.link = self.weights = None  # the last references: ~ProcessGroupGloo joins its threads
-
-
-def reason(error: Exception) -> str:
-    """gloo's reason for a failed send or collective, without its source location and advice."""
-    return str(error).splitlines()[0].split("] ")[-1].split(". ")[0] if str(error) else type(error).__name__
 
 
 def send(obj, dst: int, group) -> None:

@@ -10,8 +10,8 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from .distributed import TIMEOUT
 from .models import later_training_bytes, train_dtype
-from .split_launch import TIMEOUT
 
 
 def import_vllm():
@@ -140,10 +140,10 @@ def name_vllm_cpu_shm() -> None:
     )
 
 
-def start_engine(args, rank: int, on_gpu: bool, policy, launch):
+def start_engine(args, rank: int, on_gpu: bool, policy, serving: bool = False):
     """This process's part of a vLLM engine in the torch.distributed world (external launcher): its own engine with
     --vllm-tensor-parallel-size 1, else one shard of its group's engine (vLLM forms groups of consecutive ranks);
-    `launch.serving`: a rollout rank's (utils/split_launch.py)."""
+    `serving`: a rollout rank's (utils/split_launch.py)."""
     LLM = import_vllm()
     check_vllm_memory(args, on_gpu, policy)  # its budget is free now, with room for the training state: or why not
     if not on_gpu:
@@ -162,7 +162,7 @@ def start_engine(args, rank: int, on_gpu: bool, policy, launch):
         enable_chunked_prefill=on_gpu,  # vLLM-CPU fails to rewind a seeded sampler after a partial prefill
         # a rollout rank's engine never sleeps (utils/generation_server.py): sleep mode would only route its weights and
         # KV cache through vLLM's CuMem allocator (0.33 config/model.py l. 666-673, v1/worker/gpu_worker.py l. 396-417)
-        enable_sleep_mode=on_gpu and args.vllm_sleep_level > 0 and not launch.serving,
+        enable_sleep_mode=on_gpu and args.vllm_sleep_level > 0 and not serving,
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
         # vLLM's own groups, else torch's defaults (NCCL 10 min) whatever the world's (0.32-0.33 config/parallel.py
         # l. 360-368, distributed/parallel_state.py l. 497-510): a trainer may wait in them through a long generation
