@@ -22,9 +22,10 @@ import torch.distributed as dist
 import tyro
 from tqdm import tqdm
 
-from utils import batching, checkpoints, distributed, generation_server, lifecycle, models, ops, rollouts, tracking
+from utils import batching, checkpoints, distributed, models, ops, process, rollout_rank, rollouts, tracking, updates
 from utils.checks import check_args
 from utils.data import check_model, eval_prompts, load_tokenizer, tokenized_prompts
+from utils.evaluation import evaluate
 from utils.logprobs import response_logprobs
 from utils.resume import open_run
 from utils.reward import default_grading_workers
@@ -309,9 +310,61 @@ def ppo_clip_loss(logp, old_logp, advantages, eps_low: float, eps_high: float, c
 def clamped_entropy(logits: torch.Tensor, clamp_p: float, block: int | None = None) -> torch.Tensor:
     """AEnt's clamped entropy of each row of logits [N, V]: drop the floor(clamp_p V) lowest logits (at most V - 1),
     renormalise the softmax over the kept set S: H_S = logsumexp(z_S) - sum_{i in S} softmax(z_S)_i z_i [N] (clamp_p 0:
-    the full entropy), differentiable w.r.t. the kept logits; float32 or better (the kernel: ops.entropy_above_kth)."""
-    vocab = logits.shape[-1]
-    return ops.entropy_above_kth(logits, min(int(clamp_p * vocab), vocab - 1), block)
+    the full entropy), differentiable w.r.t. the kept logits; float32 or better; logits tied with the threshold share
+    the kept mass evenly. Computed in equal blocks of whole rows of at most ~`block` elements (default: 1M on a CPU,
+    where a block's passes stay in the cache and cost ~20 thread synchronisations, not ~18 a row; 16M elsewhere),
+    keeping per-row scalars only."""
+    n, vocab = logits.shape[0], logits.shape[-1]
+    block = block or (1 << 20 if logits.device.type == "cpu" else 1 << 24)
+    blocks = max(1, -(-n * vocab // block))
+    return ClampedEntropy.apply(logits, min(int(clamp_p * vocab), vocab - 1), max(1, -(-n // blocks)))
+
+
+class ClampedEntropy(torch.autograd.Function):
+    """H_S row block by row block (clamped_entropy), the k lowest logits dropped. Clamping the logits at the threshold t
+    (the k-th smallest) puts the k dropped ones at t, so their mass is known, k e^t, and subtracted: no top-k indices.
+    Only per-row scalars are saved; the backward recomputes the kept softmax from the logits. On a CPU every operation
+    on more than 32k elements is a parallel region, a synchronisation of torch's threads (which stalls when the cores
+    are oversubscribed): blocks of whole rows, ~20 such operations each; float 0/1 masks, not `where` or -inf (their CPU
+    kernels are several times slower)."""
+
+    @staticmethod
+    def forward(ctx, logits, k: int, rows: int):
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        # per row: threshold, max, log kept mass, H_S
+        stats = torch.empty((logits.shape[0], 4), dtype=dtype, device=logits.device)
+        for z, out in zip(logits.split(rows), stats.split(rows)):
+            z = z.to(dtype)
+            t = ops.kth_smallest(z, k) if k else z.amin(dim=-1, keepdim=True) - 1
+            m = z.amax(dim=-1, keepdim=True)
+            d = torch.maximum(z, t).sub_(m)
+            e = d.exp()
+            dropped = k * (t - m).exp()
+            total = e.sum(dim=-1, keepdim=True) - dropped
+            expected_d = (torch.linalg.vecdot(e, d)[:, None] - dropped * (t - m)) / total
+            torch.cat([t, m, total.log(), total.log() - expected_d], dim=1, out=out)
+        ctx.save_for_backward(logits, stats)
+        ctx.k, ctx.rows = k, rows
+        return stats[:, 3].clone()
+
+    @staticmethod
+    def backward(ctx, grad_entropy):
+        logits, stats = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for z, s, g, out in zip(*(x.split(ctx.rows) for x in (logits, stats, grad_entropy, grad))):
+            z = z.to(s.dtype)
+            t, m, log_total, entropy = s[:, :, None].unbind(1)
+            g = -g[:, None].to(s.dtype)
+            above = torch.gt(z, t, out=torch.empty_like(z))  # 1 where z > t
+            d = torch.maximum(z, t).sub_(m + log_total)  # log q_i on the kept set (clamped: exp cannot underflow)
+            d_entropy = torch.addcmul(g * entropy, d, g).mul_(above)  # -g (log q_i + H) on the kept set, else 0
+            torch.mul(d.exp_(), d_entropy, out=out)  # times q_i: g dH/dz_i = -g q_i (log q_i + H)
+            tied_kept = z.shape[-1] - ctx.k - above.sum(dim=-1, keepdim=True)  # logits equal to t that are kept
+            if (tied_kept > 0).any():  # they share the kept mass evenly (same value as keeping any of them)
+                tied = z == t
+                log_q_t = t - m - log_total
+                out.add_(tied * (g * log_q_t.exp() * (log_q_t + entropy) * tied_kept / tied.sum(dim=-1, keepdim=True)))
+        return grad, None, None
 
 
 def aent_metrics(g: dict, coef_state: float, coef_spread: float, coef: float, updates_per_step: int) -> dict:
@@ -412,19 +465,6 @@ class TokenSelection:
         return token_loss * kept * (s.scale if self.kept_mean else 1.0), kept, s.scale
 
 
-def evaluate(args, sampler, policy, tokenizer, eval_data: list, logprobs) -> dict:
-    """Held-out greedy accuracy; with --eval-samples n also n samples per prompt at the training temperature (seeded by
-    the prompt's position: the same draw each time), their mean accuracy, pass@k, entropy (tracking.eval_metrics)."""
-    rank, world_size, n, device = dist.get_rank(), dist.get_world_size(), args.eval_samples, policy.device
-    shard = eval_data[rank::world_size]
-    prompts = [p for p, _, _ in shard]
-    greedy = sampler.generate(prompts, [0] * len(prompts), 1, greedy=True)
-    seeds = [(rank + i * world_size) * n for i in range(len(prompts))]  # global position x n
-    sampled = sampler.generate(prompts, seeds, n) if n else []
-    entropies = tracking.sample_entropies(logprobs, policy, tokenizer, prompts, sampled, n, args.micro_batch_size)
-    return tracking.eval_metrics(tokenizer, shard, greedy, sampled, n, entropies, eval_data, device)
-
-
 if __name__ == "__main__":
     args = tyro.cli(Args)
     launch = SplitLaunch(args.rollout_ranks)  # with --rollout-ranks, the launch split into trainers and rollout ranks
@@ -452,7 +492,7 @@ if __name__ == "__main__":
     updates_per_step = args.num_mini_batches * args.num_epochs
     grading_workers = args.grading_workers or default_grading_workers()
     if launch.serving:  # a rollout rank generates for the trainers until they stop: its process ends here
-        raise SystemExit(generation_server.serve(launch, args, tokenizer, train_data, grading_workers))
+        raise SystemExit(rollout_rank.serve(launch, args, tokenizer, train_data, grading_workers))
     selector = TokenSelection(args)  # the 80/20 rule
     select = selector.scope  # where it selects: global, microbatch or None (off)
     train_entropy = select == "microbatch"  # the training forward's entropies: to select by
@@ -478,7 +518,7 @@ if __name__ == "__main__":
     if resumed:  # the checkpoint's weights, and beside rollout ranks its batches in flight
         sampler.resume(policy, resumed)
     tracker = tracking.Tracker(args, run_dir, rank, start_step if resumed else None)  # metrics.jsonl; wandb: --track
-    stop, trim_heap = lifecycle.StopSignal(sampler), lifecycle.HeapTrim()
+    stop, trim_heap = process.StopSignal(sampler), process.HeapTrim()
     if eval_data and args.eval_every and start_step == 0:
         tracker.log(evaluate(args, sampler, policy, tokenizer, eval_data, logprobs), 0)  # the base policy
     bad_steps, stopping = 0, False
@@ -576,7 +616,7 @@ if __name__ == "__main__":
                     if args.adaptive_coef and math.isfinite(h):
                         method_state["entropy_coef"] = next_target_coef(coef_state, h, **target, **limits)
                         method_state["last_entropy"] = h  # the next update's gate
-                skipped += lifecycle.record_update(policy, scheduler, grad_norms)  # or skipped (non-finite)
+                skipped += updates.record_update(policy, scheduler, grad_norms)  # or skipped (non-finite)
         metrics["time/training"] = time.time() - t0
 
         # ---- weight push: the sampler gets the new policy ----
@@ -619,7 +659,7 @@ if __name__ == "__main__":
 
         # ---- evaluation and checkpoint ----
         # every rank agrees: the skipped updates are global
-        bad_steps = lifecycle.check_bad_steps(bad_steps, skipped, args.max_bad_steps, run_dir, tracker)
+        bad_steps = updates.check_bad_steps(bad_steps, skipped, args.max_bad_steps, run_dir, tracker)
         done = step + 1 == args.total_steps
         if eval_data and args.eval_every and ((step + 1) % args.eval_every == 0 or done):
             tracker.log(evaluate(args, sampler, policy, tokenizer, eval_data, logprobs), step + 1)
@@ -630,5 +670,5 @@ if __name__ == "__main__":
         if stopping:
             break
 
-    lifecycle.finish(policy, tokenizer, run_dir, rank, tracker, stopped_at=step + 1 if stopping else None)
-    lifecycle.shutdown(sampler, launch)  # the engine first, then the process groups
+    checkpoints.save_final(policy, tokenizer, run_dir, rank, tracker, stopped_at=step + 1 if stopping else None)
+    process.shutdown(sampler, launch)  # the engine first, then the process groups

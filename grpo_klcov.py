@@ -23,9 +23,10 @@ import torch.distributed as dist
 import tyro
 from tqdm import tqdm
 
-from utils import batching, checkpoints, distributed, generation_server, lifecycle, models, ops, rollouts, tracking
+from utils import batching, checkpoints, distributed, models, ops, process, rollout_rank, rollouts, tracking, updates
 from utils.checks import check_args
 from utils.data import check_model, eval_prompts, load_tokenizer, tokenized_prompts
+from utils.evaluation import evaluate
 from utils.logprobs import current_logprobs, response_logprobs
 from utils.resume import open_run
 from utils.reward import default_grading_workers
@@ -387,19 +388,6 @@ class TokenSelection:
         return token_loss * kept * (s.scale if self.kept_mean else 1.0), kept, s.scale
 
 
-def evaluate(args, sampler, policy, tokenizer, eval_data: list, logprobs) -> dict:
-    """Held-out greedy accuracy; with --eval-samples n also n samples per prompt at the training temperature (seeded by
-    the prompt's position: the same draw each time), their mean accuracy, pass@k, entropy (tracking.eval_metrics)."""
-    rank, world_size, n, device = dist.get_rank(), dist.get_world_size(), args.eval_samples, policy.device
-    shard = eval_data[rank::world_size]
-    prompts = [p for p, _, _ in shard]
-    greedy = sampler.generate(prompts, [0] * len(prompts), 1, greedy=True)
-    seeds = [(rank + i * world_size) * n for i in range(len(prompts))]  # global position x n
-    sampled = sampler.generate(prompts, seeds, n) if n else []
-    entropies = tracking.sample_entropies(logprobs, policy, tokenizer, prompts, sampled, n, args.micro_batch_size)
-    return tracking.eval_metrics(tokenizer, shard, greedy, sampled, n, entropies, eval_data, device)
-
-
 if __name__ == "__main__":
     args = tyro.cli(Args)
     launch = SplitLaunch(args.rollout_ranks)  # with --rollout-ranks, the launch split into trainers and rollout ranks
@@ -427,7 +415,7 @@ if __name__ == "__main__":
     updates_per_step = args.num_mini_batches * args.num_epochs
     grading_workers = args.grading_workers or default_grading_workers()
     if launch.serving:  # a rollout rank generates for the trainers until they stop: its process ends here
-        raise SystemExit(generation_server.serve(launch, args, tokenizer, train_data, grading_workers))
+        raise SystemExit(rollout_rank.serve(launch, args, tokenizer, train_data, grading_workers))
     selector = TokenSelection(args)  # the 80/20 rule
     select = selector.scope  # where it selects: global, microbatch or None (off)
     train_entropy = select == "microbatch"  # the training forward's entropies: to select by
@@ -446,7 +434,7 @@ if __name__ == "__main__":
     if resumed:  # the checkpoint's weights, and beside rollout ranks its batches in flight
         sampler.resume(policy, resumed)
     tracker = tracking.Tracker(args, run_dir, rank, start_step if resumed else None)  # metrics.jsonl; wandb: --track
-    stop, trim_heap = lifecycle.StopSignal(sampler), lifecycle.HeapTrim()
+    stop, trim_heap = process.StopSignal(sampler), process.HeapTrim()
     if eval_data and args.eval_every and start_step == 0:
         tracker.log(evaluate(args, sampler, policy, tokenizer, eval_data, logprobs), 0)  # the base policy
     bad_steps, stopping = 0, False
@@ -543,7 +531,7 @@ if __name__ == "__main__":
                         sums["selected"] += selected.sum().double()
                         sums["selected_cov"] += torch.where(selected, cov, 0).sum().double()
                         sums["kl_selected"] += torch.where(selected, log_ratio.abs(), 0).sum().double()
-                skipped += lifecycle.record_update(policy, scheduler, grad_norms)  # or skipped (non-finite)
+                skipped += updates.record_update(policy, scheduler, grad_norms)  # or skipped (non-finite)
         metrics["time/training"] = time.time() - t0
 
         # ---- weight push: the sampler gets the new policy ----
@@ -573,7 +561,7 @@ if __name__ == "__main__":
 
         # ---- evaluation and checkpoint ----
         # every rank agrees: the skipped updates are global
-        bad_steps = lifecycle.check_bad_steps(bad_steps, skipped, args.max_bad_steps, run_dir, tracker)
+        bad_steps = updates.check_bad_steps(bad_steps, skipped, args.max_bad_steps, run_dir, tracker)
         done = step + 1 == args.total_steps
         if eval_data and args.eval_every and ((step + 1) % args.eval_every == 0 or done):
             tracker.log(evaluate(args, sampler, policy, tokenizer, eval_data, logprobs), step + 1)
@@ -584,5 +572,5 @@ if __name__ == "__main__":
         if stopping:
             break
 
-    lifecycle.finish(policy, tokenizer, run_dir, rank, tracker, stopped_at=step + 1 if stopping else None)
-    lifecycle.shutdown(sampler, launch)  # the engine first, then the process groups
+    checkpoints.save_final(policy, tokenizer, run_dir, rank, tracker, stopped_at=step + 1 if stopping else None)
+    process.shutdown(sampler, launch)  # the engine first, then the process groups

@@ -1,5 +1,5 @@
 """Run by tests/test_rollout_ranks.py on 2 trainers and 1 rollout rank (--rollout-ranks 1), without a model: the end of
-a run as the scripts end it (lifecycle.shutdown on the trainers; generation_server.serve's end after trainer 0's stop),
+a run as the scripts end it (process.shutdown on the trainers; rollout_rank.serve's end after trainer 0's stop),
 then, at the interpreter's exit, each rank prints how many gloo worker threads it still has. The rollout rank's engine
 is a stand-in: what is tested is the teardown of the groups between the worlds, not vLLM."""
 
@@ -9,7 +9,7 @@ import sys
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from utils import distributed, generation_server, lifecycle, sampler  # noqa: E402
+from utils import distributed, process, rollout_rank, sampler  # noqa: E402
 from utils.split_launch import SplitLaunch  # noqa: E402
 
 
@@ -25,6 +25,6 @@ distributed.init_distributed(launch)
 args = SimpleNamespace(max_staleness=1, vllm_tensor_parallel_size=1, group_size=2)
 llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: None)))  # close_engine's
 if launch.serving:  # until trainer 0's stop, then ends
-    generation_server.make_sampler = lambda *a: sampler.Sampler(llm, args)
-    raise SystemExit(generation_server.serve(launch, args, None, [], 1))
-lifecycle.shutdown(sampler.RolloutRankSampler(launch.make_engine(args.max_staleness), args), launch)  # the trainers
+    rollout_rank.make_sampler = lambda *a: sampler.Sampler(llm, args)
+    raise SystemExit(rollout_rank.serve(launch, args, None, [], 1))
+process.shutdown(sampler.RolloutRankSampler(launch.make_engine(args.max_staleness), args), launch)  # the trainers

@@ -89,7 +89,7 @@ def assert_one_line_each(stderr: str, ranks: int) -> None:
 
 
 def test_a_run_end_leaves_no_gloo_thread_to_the_interpreter_exit():
-    """The scripts' end of a run (tests/end_of_run.py: lifecycle.shutdown, serve's end), 2 trainers and a rollout rank:
+    """The scripts' end of a run (tests/end_of_run.py: process.shutdown, serve's end), 2 trainers and a rollout rank:
     no gloo worker thread may outlive it. One alive at the interpreter's exit can still be waiting for the GIL to drop
     its last collective's tensors when finalization begins, which ends it inside a noexcept destructor: std::terminate
     after a complete run (issue 42; the fork server's runs skip finalization, so the threads are what is checked)."""

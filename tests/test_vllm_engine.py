@@ -56,7 +56,7 @@ def test_import_vllm_collects_the_heap_before_freezing_it(monkeypatch):
 
 
 def test_a_rollout_ranks_engine_starts_without_sleep_mode(monkeypatch):
-    """A rollout rank's engine never sleeps (utils/generation_server.py): sleep mode only where the engine sleeps."""
+    """A rollout rank's engine never sleeps (utils/rollout_rank.py): sleep mode only where the engine sleeps."""
     started = {}
     monkeypatch.setattr(vllm_engine, "import_vllm", lambda: lambda **kwargs: started.update(kwargs))
     monkeypatch.setattr(vllm_engine, "check_vllm_memory", lambda *args: None)

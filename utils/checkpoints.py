@@ -223,3 +223,19 @@ def save(
         shutil.rmtree(replaced, ignore_errors=True)
     dist.barrier()
     return True
+
+
+def save_final(engine, tokenizer, run_dir: str, rank: int, tracker, stopped_at=None) -> None:
+    """End of training: the trained policy in HF format under run_dir/final (loads in transformers and vLLM), or
+    after a stop signal at step `stopped_at` the command that resumes; then wandb's end, on every rank together."""
+    if stopped_at is not None:
+        if rank == 0:
+            print(f"stopped by signal after step {stopped_at}; resume with --resume {run_dir}")
+    else:
+        zero3 = engine.zero_optimization_stage() == 3  # every rank holds a shard: they gather the weights together
+        state_dict = engine._zero3_consolidated_16bit_state_dict() if zero3 else engine.module.state_dict()
+        if rank == 0:
+            engine.module.save_pretrained(os.path.join(run_dir, "final"), state_dict=state_dict)
+            tokenizer.save_pretrained(os.path.join(run_dir, "final"))
+    tracker.finish()
+    dist.barrier()

@@ -11,7 +11,7 @@ sender thread).
 
 On the trainers the scripts' sampler (utils/sampler.py RolloutRankSampler) drives an Engine, a stand-in for vLLM's LLM
 (generate, apply_model, reset_prefix_cache: the sampler's generate and push run unchanged), and rollouts.collect returns
-the batch the rollout ranks collected for the step (receive). The rollout ranks run utils/generation_server.py's
+the batch the rollout ranks collected for the step (receive). The rollout ranks run utils/rollout_rank.py's
 `serve`: rollouts.collect_for itself (generation, grading, dynamic sampling) for the trainer ranks each plays (r % K),
 the commands in trainer 0's order. It stands above utils/distributed.py (process setup: distributed.init_distributed
 starts it) and keeps no module-level state.
@@ -38,7 +38,7 @@ from .distributed import TIMEOUT, reason
 class SplitLaunch:
     """This process's place in the launch, made once by the script and started by distributed.init_distributed
     (start), then passed where the split matters: the sampler (utils/sampler.py make_sampler: on a trainer an Engine,
-    which also holds the batches in flight), the rollout ranks' life (utils/generation_server.py serve) and the end
+    which also holds the batches in flight), the rollout ranks' life (utils/rollout_rank.py serve) and the end
     (close). `rollouts` 0: nothing split (colocated engines), every process trains. Else the first processes of the
     launch train, the last `rollouts` only generate (`serving`), each side in a torch.distributed world of its own."""
 
@@ -97,7 +97,7 @@ class SplitLaunch:
         return SystemExit(f"error: {peer} stopped ({reason(error)}); rank {self.global_rank} of the launch stops too")
 
     def close(self) -> None:
-        """The end of a run, on every process of the launch (lifecycle.shutdown): `link` and `bridge` shut down and
+        """The end of a run, on every process of the launch (process.shutdown): `link` and `bridge` shut down and
         dropped now, their gloo worker threads joined. A worker drops its last collective's tensors after the caller
         has moved on, which takes the GIL; left alive into the interpreter's exit, it can still be waiting for the GIL
         when finalization begins, which ends the thread inside a noexcept destructor: std::terminate, SIGABRT after a

@@ -160,7 +160,7 @@ def start_engine(args, rank: int, on_gpu: bool, policy, serving: bool = False):
         enable_prefix_caching=True,
         enforce_eager=not on_gpu,  # on CPU, graph compilation costs more start-up than it saves
         enable_chunked_prefill=on_gpu,  # vLLM-CPU fails to rewind a seeded sampler after a partial prefill
-        # a rollout rank's engine never sleeps (utils/generation_server.py): sleep mode would only route its weights and
+        # a rollout rank's engine never sleeps (utils/rollout_rank.py): sleep mode would only route its weights and
         # KV cache through vLLM's CuMem allocator (0.33 config/model.py l. 666-673, v1/worker/gpu_worker.py l. 396-417)
         enable_sleep_mode=on_gpu and args.vllm_sleep_level > 0 and not serving,
         logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them

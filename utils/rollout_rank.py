@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from . import rollouts
-from .lifecycle import StopSignal, shutdown
+from .process import StopSignal, shutdown
 from .sampler import make_sampler
 from .split_launch import broadcast, send
 
