@@ -6,7 +6,7 @@ SCRIPT ?= grpo_vanilla.py
 NPROC ?= 2
 ARGS ?=
 CPU_ENV := $(shell sed -e '/^[[:space:]]*$$/d' -e '/^\#/d' cpu.env)  # the CPU environment, defined in cpu.env
-# testbed (shipped in testbed/, see utils/testbed.py): 16 prompts x 8 samples per step, 2 optimizer updates per step,
+# testbed (shipped in testbed/, see testbed/build_arithmetic.py): 16 prompts x 8 samples per step, 2 optimizer updates per step,
 # evaluation on 200 held-out problems every 25 steps: greedy, and 16 samples each (mean@16, pass@16, entropy); no
 # rollout correction (--vllm-is-cap 0): the CPU engine's log-probs equal the trainer's to ~4e-7, and the published
 # testbed runs predate the flag
@@ -14,13 +14,13 @@ TESTBED_ARGS := --model-name-or-path testbed/model --dataset testbed/train.jsonl
 	--total-steps 200 --num-prompts-per-step 16 --group-size 8 --max-prompt-length 128 --max-response-length 48 \
 	--num-mini-batches 2 --micro-batch-size 32 --learning-rate 2e-4 --warmup-steps 5 --no-gradient-checkpointing \
 	--eval-every 25 --eval-num-prompts 200 --eval-samples 16 --save-every 50 --vllm-is-cap 0
-BUILD := utils.testbed
-# TESTBED=fork: the fork testbed (testbed/fork/, utils/fork_testbed.py), the same GRPO settings; responses of ~23
+BUILD := testbed.build_arithmetic
+# TESTBED=fork: the fork testbed (testbed/fork/, testbed/build_fork.py), the same GRPO settings; responses of ~23
 # tokens (32 at most); its test set is two sets of 200, majority and minority kind: 100 of each evaluated
 ifeq ($(TESTBED),fork)
 TESTBED_ARGS := $(subst testbed/,testbed/fork/,$(subst --max-response-length 48,--max-response-length 32,\
 	$(subst --eval-num-prompts 200,--eval-num-prompts 100,$(TESTBED_ARGS))))
-BUILD := utils.fork_testbed
+BUILD := testbed.build_fork
 endif
 
 .PHONY: venv testbed test test-bf16 lint format

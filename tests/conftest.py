@@ -1,10 +1,10 @@
-"""Shared fixtures: the CPU testbed (built once per machine, cached; see utils/testbed.py), the uninterrupted runs of
-the fault tests."""
+"""Shared fixtures: the CPU testbed (built once per machine, cached; see testbed/build_arithmetic.py), the uninterrupted
+runs of the fault tests."""
 
 import pytest
 from launch import fault_flags, run_dir, run_script
 
-from utils.testbed import build_testbed
+from testbed.build_arithmetic import build_testbed
 
 
 @pytest.fixture(scope="session")

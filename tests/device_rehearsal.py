@@ -227,10 +227,11 @@ def install() -> Rehearsal:
 
     init = distributed.init_distributed
 
-    def init_on_accelerator(*a, **k):
-        rank, local_rank, world_size, device, on_gpu, launch = init(*a, **k)
-        launch.device = ACCELERATOR  # a rollout rank receives the pushed weights there
-        return rank, local_rank, world_size, ACCELERATOR, on_gpu, launch
+    def init_on_accelerator(launch=None):
+        rank, local_rank, world_size, device, on_gpu = init(launch)
+        if launch is not None:
+            launch.device = ACCELERATOR  # a rollout rank receives the pushed weights there
+        return rank, local_rank, world_size, ACCELERATOR, on_gpu
 
     distributed.init_distributed = init_on_accelerator
     initialize = deepspeed.initialize

@@ -9,8 +9,8 @@ import torch
 from launch import ROOT, free_port, run_python
 
 from grpo_vanilla import Args
+from testbed.common import CPU_ENV
 from utils import models
-from utils.testbed import CPU_ENV
 
 
 @pytest.mark.parametrize("stage, modes", [(3, "load,bf16,bucket"), (2, "bf16,bucket")])

@@ -10,7 +10,7 @@ import torch
 from device_rehearsal import ACCELERATOR, DeviceMixError, Rehearsal, on_accelerator
 from launch import ROOT, free_port, read_metrics, run_dir, run_python, script_argv, script_flags
 
-from utils.testbed import CPU_ENV
+from testbed.common import CPU_ENV
 
 REHEARSAL = os.path.join(ROOT, "tests", "device_rehearsal.py")
 # the flags that change the step's code path, spread over the runs: every method file, each method's own paths

@@ -14,8 +14,8 @@ from launch import ROOT, final_weights, read_metrics, run_dir, run_script, scrip
 from safetensors.torch import load_file
 
 from grpo_vanilla import Args, validate_args
+from testbed.common import CPU_ENV
 from utils.data import check_model
-from utils.testbed import CPU_ENV
 
 
 def assert_trained(rows, path, tb, steps):

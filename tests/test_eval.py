@@ -14,9 +14,9 @@ import pytest
 from launch import run_python
 
 from benchmarks.eval import VENDORED, majority_vote, pass_at_k, protocol_output
+from testbed.common import CPU_ENV, read_jsonl
 from utils.data import load_problems
 from utils.reward import grade, last_boxed
-from utils.testbed import CPU_ENV, read_jsonl
 
 # the tests sharing its module-scoped runs: on one xdist worker (make test: --dist loadgroup), the others anywhere
 SHARED = pytest.mark.xdist_group("test_eval")
@@ -202,7 +202,7 @@ def test_resume_keeps_finished_problems_and_resamples_identically(evaluated, tmp
 
 
 def test_hf_generate_fallback_matches_the_testbeds_own_measurement(testbed, tmp_path):
-    """Greedy HF generate over the testbed's whole test set: the accuracy and entropy utils/testbed.py measured."""
+    """Greedy HF generate over the testbed's whole test set: the accuracy and entropy its builder measured."""
     out = str(tmp_path)
     run_eval(
         [

@@ -1,4 +1,4 @@
-"""utils/fork_testbed.py: the shipped fork testbed (its files, its task, the base policy's fork) and the opening
+"""testbed/build_fork.py: the shipped fork testbed (its files, its task, the base policy's fork) and the opening
 metrics every script logs (utils/tracking.opening_metrics)."""
 
 import dataclasses
@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from utils import fork_testbed as fork
-from utils import testbed as tb
+from testbed import build_arithmetic as tb
+from testbed import build_fork as fork
+from testbed import common
 from utils import tracking
 from utils.reward import math_reward
 
@@ -23,16 +24,16 @@ def test_shipped_fork_testbed_matches_its_recipe_and_hashes():
     """testbed/fork/ is the build its stats.json describes, and the first testbed's hashes leave it out."""
     with open(os.path.join(fork.SHIPPED_DIR, "stats.json")) as f:
         stats = json.load(f)
-    assert stats["version"] == fork.VERSION and stats["recipe"] == dataclasses.asdict(fork.Recipe())
-    assert tb.files_sha256(fork.SHIPPED_DIR) == stats["files_sha256"]
-    assert not any(path.startswith("fork/") for path in tb.files_sha256(tb.SHIPPED_DIR))
+    assert stats["version"] == fork.VERSION and stats["recipe"] == dataclasses.asdict(fork.ForkRecipe())
+    assert common.files_sha256(fork.SHIPPED_DIR) == stats["files_sha256"]
+    assert not any(path.startswith("fork/") for path in common.files_sha256(tb.SHIPPED_DIR))
     assert fork.build_fork_testbed().stats == stats  # found, not rebuilt
 
 
 def test_the_task_kinds_answers_and_branches():
     """The kind is a hash of the two numbers (about one in four), the answer the sum or the difference by kind; the
     shipped files are the recipe's splits; each branch's worked solution is graded right on its own kind only."""
-    r = fork.Recipe()
+    r = fork.ForkRecipe()
     splits = fork.split_problems(r)
     kinds = Counter(row["data_source"] for row in splits["train"])
     assert 0.22 < kinds["minority"] / len(splits["train"]) < 0.28
@@ -61,8 +62,8 @@ def test_base_policy_forks_the_same_way_on_both_kinds():
     t = fork.build_fork_testbed()
     tok = AutoTokenizer.from_pretrained(t.model_dir)
     model = AutoModelForCausalLM.from_pretrained(t.model_dir, dtype=torch.float32)
-    rows = fork.split_problems(fork.Recipe())["test"]
-    with tb._quiet_and_isolated(1):
+    rows = fork.split_problems(fork.ForkRecipe())["test"]
+    with common.quiet_and_isolated(1):
         by_kind = {
             k: fork.measure(model, tok, [row for row in rows if row["data_source"] == k][:24], 8, seed=3)
             for k in ("majority", "minority")

@@ -17,7 +17,7 @@ from launch import free_port, read_metrics, run_dir
 from safetensors.torch import load_file
 from test_eval import check_protocol_files
 
-from utils.testbed import CPU_ENV, read_jsonl
+from testbed.common import CPU_ENV, read_jsonl
 
 # the tests sharing its module-scoped runs: on one xdist worker (make test: --dist loadgroup), the others anywhere
 SHARED = pytest.mark.xdist_group("test_protocol")

@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere, with or without `python -m`
 
+from testbed.common import read_jsonl  # noqa: E402
 from utils.data import load_problems  # noqa: E402
 from utils.reward import (  # noqa: E402
     TIMEOUT_S,
@@ -27,7 +28,6 @@ from utils.reward import (  # noqa: E402
     last_boxed,
     math_reward,
 )
-from utils.testbed import read_jsonl  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "data"
 SLACK_S = 0.5

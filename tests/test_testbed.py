@@ -1,4 +1,4 @@
-"""utils/testbed.py: the cached CPU testbed (tokenizer, tiny Qwen2, arithmetic data, SFT warm-up) and its base stats."""
+"""testbed/build_arithmetic.py: the cached arithmetic testbed (tokenizer, tiny Qwen2, data, SFT warm-up), base stats."""
 
 import dataclasses
 import json
@@ -10,10 +10,11 @@ import torch
 from launch import run_python
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Tokenizer
 
-from utils import testbed as tb_mod
+from testbed import build_arithmetic as tb_mod
+from testbed import common
+from testbed.common import CPU_ENV
 from utils.data import INSTRUCTION, format_prompt, load_problems
 from utils.reward import math_reward
-from utils.testbed import CPU_ENV
 
 # the tests sharing its module-scoped runs: on one xdist worker (make test: --dist loadgroup), the others anywhere
 SHARED = pytest.mark.xdist_group("test_testbed")
@@ -46,28 +47,28 @@ def test_build_is_cached_and_complete(testbed):
     ):
         assert os.path.isfile(path), path
     assert testbed.stats["version"] == tb_mod.VERSION
-    assert testbed.stats["recipe"] == dataclasses.asdict(tb_mod.Recipe())
+    assert testbed.stats["recipe"] == dataclasses.asdict(tb_mod.ArithmeticRecipe())
 
 
 def test_shipped_testbed_matches_its_recorded_hashes():
     """The repository's testbed/ is the build stats.json describes: every file's sha256, nothing missing or extra."""
     with open(os.path.join(tb_mod.SHIPPED_DIR, "stats.json")) as f:
         stats = json.load(f)
-    assert stats["version"] == tb_mod.VERSION and stats["recipe"] == dataclasses.asdict(tb_mod.Recipe())
-    assert tb_mod.files_sha256(tb_mod.SHIPPED_DIR) == stats["files_sha256"]
+    assert stats["version"] == tb_mod.VERSION and stats["recipe"] == dataclasses.asdict(tb_mod.ArithmeticRecipe())
+    assert common.files_sha256(tb_mod.SHIPPED_DIR) == stats["files_sha256"]
     assert {"model/model.safetensors", "model/tokenizer.json", "train.jsonl", "test.jsonl"} <= stats[
         "files_sha256"
     ].keys()
     model = AutoModelForCausalLM.from_pretrained(os.path.join(tb_mod.SHIPPED_DIR, "model"), dtype=torch.float32)
-    assert tb_mod.weights_sha256(model) == stats["weights_sha256"]
+    assert common.weights_sha256(model) == stats["weights_sha256"]
 
 
 def test_data_is_correct_and_train_test_disjoint(testbed):
-    r = tb_mod.Recipe()
+    r = tb_mod.ArithmeticRecipe()
     train, test = load_problems(testbed.train_file), load_problems(testbed.test_file)
     assert (len(train), len(test)) == (r.n_train, r.n_test)
     assert not {p["problem"] for p in train} & {p["problem"] for p in test}
-    raw = tb_mod.read_jsonl(testbed.train_file)
+    raw = common.read_jsonl(testbed.train_file)
     assert set(raw[0]) == {"problem", "answer"} and all(isinstance(p["answer"], str) for p in raw)
     for p in train[:200] + test[:200]:
         a, op1, b, op2, c = p["problem"].removeprefix("What is ").removesuffix("?").split()
@@ -83,7 +84,7 @@ def test_data_is_correct_and_train_test_disjoint(testbed):
 def test_sft_targets_are_right_and_plausible_wrong_solutions():
     import random
 
-    r = tb_mod.Recipe()
+    r = tb_mod.ArithmeticRecipe()
     rows = tb_mod.make_problems(5, 4000, r.minus_share)
     targets = tb_mod.sft_targets(rows, r)
     right = [math_reward(t, row["answer"]) for t, row in zip(targets, rows)]
@@ -111,13 +112,13 @@ def test_tokenizer_loads_with_the_trained_ids(testbed, tok):
 
     assert isinstance(tok, Qwen2Tokenizer) and tok.padding_side == "left"
     assert (tok.pad_token, tok.eos_token) == ("<|endoftext|>", "<|im_end|>")
-    assert tok.convert_tokens_to_ids(tb_mod.SPECIAL_TOKENS) == [0, 1, 2]
+    assert tok.convert_tokens_to_ids(common.SPECIAL_TOKENS) == [0, 1, 2]
     # retraining (deterministic) and the raw tokenizers file give the same ids as AutoTokenizer
-    r = tb_mod.Recipe()
+    r = tb_mod.ArithmeticRecipe()
     splits = tb_mod.split_problems(r)
     targets = tb_mod.sft_targets(splits["sft"], r)
-    corpus = [tb_mod.chatml(f"{p['problem']}\n{INSTRUCTION}", t) for p, t in zip(splits["sft"], targets)]
-    trained = tb_mod.train_tokenizer(corpus, r.vocab_size)
+    corpus = [common.chatml(f"{p['problem']}\n{INSTRUCTION}", t) for p, t in zip(splits["sft"], targets)]
+    trained = common.train_tokenizer(corpus, r.vocab_size)
     raw = Tokenizer.from_file(os.path.join(testbed.model_dir, "tokenizer.json"))
     assert trained.get_vocab() == tok.get_vocab() and len(tok) == testbed.stats["vocab_size"]
     texts = corpus[:50] + [format_prompt(p["problem"], tok) for p in load_problems(testbed.test_file)[:20]]
@@ -165,8 +166,8 @@ def test_model_config(testbed, model, tok):
 
 @SHARED
 def test_saved_model_is_the_measured_one(testbed, model, tok):
-    assert tb_mod.weights_sha256(model) == testbed.stats["weights_sha256"]
-    r = tb_mod.Recipe()
+    assert common.weights_sha256(model) == testbed.stats["weights_sha256"]
+    r = tb_mod.ArithmeticRecipe()
     greedy = tb_mod.measure(model, tok, tb_mod.make_problems(r.seed, r.n_test, r.minus_share), n_samples=0)
     assert greedy["accuracy"] == pytest.approx(testbed.stats["greedy_accuracy"], abs=0.006)  # 3 of 500 near-ties
 
@@ -207,7 +208,7 @@ def test_default_generate_samples_the_policy(testbed, model, tok):
 def test_build_in_a_fresh_dir_is_atomic_cached_and_reproducible(tmp_path):
     """The whole pipeline on a toy recipe: a complete dir appears (nothing left behind), a second call reuses it, and
     a forced rebuild gives bit-identical weights and data."""
-    r = tb_mod.Recipe(
+    r = tb_mod.ArithmeticRecipe(
         n_test=8,
         n_train=40,
         n_dev=8,
@@ -225,8 +226,9 @@ def test_build_in_a_fresh_dir_is_atomic_cached_and_reproducible(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["tb", "tb.lock"]
     assert sorted(os.listdir(tmp_path / "tb")) == ["model", "stats.json", "test.jsonl", "train.jsonl"]
     assert [h["step"] for h in tb.stats["sft"]["history"]] == [2, 4] and len(load_problems(tb.train_file)) == 40
-    assert tb_mod.files_sha256(str(tmp_path / "tb")) == tb.stats["files_sha256"] and logs
+    assert common.files_sha256(str(tmp_path / "tb")) == tb.stats["files_sha256"] and logs
     first_data = open(tb.train_file).read() + open(tb.test_file).read()
+    (tmp_path / "tb" / "builder.py").write_text("# code beside the data, as in testbed/")
     logs.clear()
     assert tb_mod.build_testbed(str(tmp_path / "tb"), recipe=r, log=logs.append).stats == tb.stats and not logs
     again = tb_mod.build_testbed(str(tmp_path / "tb"), recipe=r, force=True, log=logs.append)
@@ -234,6 +236,7 @@ def test_build_in_a_fresh_dir_is_atomic_cached_and_reproducible(tmp_path):
     assert again.stats["files_sha256"] == tb.stats["files_sha256"]
     assert open(tb.train_file).read() + open(tb.test_file).read() == first_data
     assert sorted(os.listdir(tmp_path)) == ["tb", "tb.lock"]
+    assert (tmp_path / "tb" / "builder.py").exists()  # a rebuild replaces what it writes, nothing else
 
 
 def test_cache_ignores_unfinished_and_stale_builds(tmp_path, monkeypatch):
@@ -241,18 +244,18 @@ def test_cache_ignores_unfinished_and_stale_builds(tmp_path, monkeypatch):
     assert tb_mod.default_cache_dir() == str(tmp_path / "tb")
     monkeypatch.delenv("GRPO_TESTBED_DIR")
     assert tb_mod.default_cache_dir() == tb_mod.SHIPPED_DIR == os.path.join(ROOT, "testbed")
-    r = tb_mod.Recipe()
+    r = tb_mod.ArithmeticRecipe()
     d = tmp_path / "tb"
     d.mkdir()
-    assert tb_mod._load(str(d), r) is None  # no stats.json: unfinished
+    assert common.load_build(str(d), tb_mod.VERSION, r) is None  # no stats.json: unfinished
     (d / "stats.json").write_text("{")
-    assert tb_mod._load(str(d), r) is None  # torn
+    assert common.load_build(str(d), tb_mod.VERSION, r) is None  # torn
     stats = {"version": tb_mod.VERSION, "recipe": dataclasses.asdict(r)}
     (d / "stats.json").write_text(json.dumps(stats))
-    assert tb_mod._load(str(d), r).model_dir == str(d / "model")
-    assert tb_mod._load(str(d), dataclasses.replace(r, lr=1.0)) is None  # another recipe
+    assert common.load_build(str(d), tb_mod.VERSION, r).model_dir == str(d / "model")
+    assert common.load_build(str(d), tb_mod.VERSION, dataclasses.replace(r, lr=1.0)) is None  # another recipe
     (d / "stats.json").write_text(json.dumps({**stats, "version": "testbed-v0"}))
-    assert tb_mod._load(str(d), r) is None  # another version
+    assert common.load_build(str(d), tb_mod.VERSION, r) is None  # another version
 
 
 VLLM_GREEDY = """

@@ -12,8 +12,8 @@ import pytest
 import torch
 from launch import ROOT, free_port, run_python
 
+from testbed.common import CPU_ENV
 from utils import vllm_engine
-from utils.testbed import CPU_ENV
 
 GIB = 2**30
 

@@ -60,7 +60,7 @@ def top_entropy(entropies: torch.Tensor, share: float = 0.2) -> float:
 def opening_metrics(entropies: list, batches: list, samples: list) -> dict:
     """A step's entropy metrics over all ranks from this rank's entropies (one flat tensor per micro-batch of
     `batches`) and Samples: entropy/top20 (top_entropy); entropy/first_token, the mean entropy of the first response
-    token, where a response commits to its approach (the fork of utils/fork_testbed.py); rollout/first_token_minority,
+    token, where a response commits to its approach (the fork of testbed/build_fork.py); rollout/first_token_minority,
     the share of responses that open with another token than the step's most frequent opening."""
     firsts = [e[0] for ent, b in zip(entropies, batches) for e in ent.split(b["lengths"].tolist()) if len(e)]
     first_entropy = gather_ranks(torch.stack(firsts).float() if firsts else entropies[0].new_zeros(0).float())[0]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU testbed comparison: the methods (default: the first four) on the shipped testbed (testbed/,
-# utils/testbed.py) with the same seeds, then compare.py. Needs no GPU: run it from anywhere after `make venv`.
+# testbed/build_arithmetic.py) with the same seeds, then compare.py. Needs no GPU: run it from anywhere after `make venv`.
 # Writes the runs to runs/testbed_compare/ (emptied first) and the table and plots to benchmarks/results/testbed/ (the README's results).
 #
 #   bash benchmarks/reproduce/testbed.sh                        # 4 methods x 3 seeds x 200 steps, 2 runs at a time
@@ -45,13 +45,13 @@ if [ -z "${PY:-}" ]; then  # this checkout's .venv, else (a git worktree) the ma
 fi
 set -a; . ./cpu.env; set +a  # the CPU environment (cpu.env)
 
-# TESTBED=fork: the fork testbed (testbed/fork/, utils/fork_testbed.py): the same GRPO settings but for responses of
+# TESTBED=fork: the fork testbed (testbed/fork/, testbed/build_fork.py): the same GRPO settings but for responses of
 # at most 32 tokens and its two test sets (majority and minority kind) of which 100 each are evaluated
 TESTBED=${TESTBED:-arithmetic}
 case "$TESTBED" in
-  arithmetic) DIR=testbed BUILD=utils.testbed MAX_RESPONSE=48 EVAL_PROMPTS=200
+  arithmetic) DIR=testbed BUILD=testbed.build_arithmetic MAX_RESPONSE=48 EVAL_PROMPTS=200
               AENT_BOX="--entropy-low 0.08 --entropy-high 0.10" ;;
-  fork) DIR=testbed/fork BUILD=utils.fork_testbed MAX_RESPONSE=32 EVAL_PROMPTS=100
+  fork) DIR=testbed/fork BUILD=testbed.build_fork MAX_RESPONSE=32 EVAL_PROMPTS=100
         AENT_BOX="--entropy-low 0.044 --entropy-high 0.055" ;;
   *) echo "error: unknown TESTBED=$TESTBED (arithmetic or fork)" >&2; exit 1 ;;
 esac
