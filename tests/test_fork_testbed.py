@@ -17,7 +17,7 @@ from testbed import build_arithmetic as tb
 from testbed import build_fork as fork
 from testbed import common
 from utils import tracking
-from utils.reward import math_reward
+from utils.reward import grade
 
 
 def test_shipped_fork_testbed_matches_its_recipe_and_hashes():
@@ -48,7 +48,7 @@ def test_the_task_kinds_answers_and_branches():
         for branch in (0, 1):
             text = fork.solution(a, b, branch)
             assert fork.branch_of(text) == branch == fork.procedure_of(text)
-            right = math_reward(text, row["answer"])
+            right = grade(text, row["answer"])[0]
             assert right == (1.0 if branch == (row["data_source"] == "minority") else 0.0), (text, row)
     assert fork.branch_of("the sum") is None and fork.branch_of("a::: 37 + 48") == 0
     # what a trained policy may write: the letter of one branch, the operation of the other

@@ -20,13 +20,11 @@ from utils.reward import (  # noqa: E402
     TIMEOUT_S,
     WORKER_HANG_S,
     WORKER_SLACK_S,
-    batch_grade,
     default_grading_workers,
     grade,
     grade_all,
     has_boxed,
     last_boxed,
-    math_reward,
 )
 
 DATA = ROOT / "benchmarks" / "data"
@@ -38,6 +36,12 @@ def nested_frac(depth):
     for _ in range(depth):
         text = f"\\frac{{{text}}}{{2}}"
     return text
+
+
+def graded(responses: list, answers: list) -> tuple:
+    """The rewards and the statuses of grade_all in this thread (as workers 1, the scripts' serial path)."""
+    rewards, statuses = zip(*grade_all(responses, answers, 1))
+    return list(rewards), list(statuses)
 
 
 def test_last_boxed():
@@ -57,7 +61,7 @@ def test_grade_statuses():
     assert grade("The answer is 4.", "4") == (0.0, "no_box")  # the prompt asks for \boxed{}
     assert grade(None, "4") == (0.0, "error")
     assert grade("\\boxed{1, 3, 5}", "1,3,5")[0] == 1.0 and grade("\\boxed{1}", "1,3,5")[0] == 0.0
-    rewards, statuses = batch_grade(["\\boxed{2}", "2", "\\boxed{3}"], ["2", "2", "2"])
+    rewards, statuses = graded(["\\boxed{2}", "2", "\\boxed{3}"], ["2", "2", "2"])
     assert rewards == [1.0, 0.0, 0.0] and statuses == ["ok", "no_box", "ok"]
 
 
@@ -65,10 +69,10 @@ def test_math500_solutions_grade_correct():
     """Each worked MATH-500 solution grades 1.0 against its reference answer; shifted answers grade 0.0."""
     solutions = [row["solution"] for row in read_jsonl(DATA / "math500.jsonl")]
     answers = [p["answer"] for p in load_problems(str(DATA / "math500.jsonl"))]
-    rewards, statuses = batch_grade(solutions, answers)
+    rewards, statuses = graded(solutions, answers)
     assert sum(rewards) / len(rewards) >= 0.99, [a for a, r in zip(answers, rewards) if r < 1]
     assert statuses.count("timeout") + statuses.count("error") == 0
-    wrong, _ = batch_grade(solutions, answers[1:] + answers[:1])
+    wrong, _ = graded(solutions, answers[1:] + answers[:1])
     assert sum(wrong) / len(wrong) <= 0.02
 
 
@@ -77,9 +81,9 @@ def test_gsm8k_worked_answers_grade_correct():
     texts = [row["answer"] for row in read_jsonl(DATA / "gsm8k.jsonl")]
     responses = [t.split("####")[0] + f"\\boxed{{{t.split('####')[-1].strip()}}}" for t in texts]
     answers = [p["answer"] for p in load_problems(str(DATA / "gsm8k.jsonl"))]
-    rewards, _ = batch_grade(responses, answers)
+    rewards, _ = graded(responses, answers)
     assert sum(rewards) / len(rewards) >= 0.99
-    wrong, _ = batch_grade(responses, answers[1:] + answers[:1])
+    wrong, _ = graded(responses, answers[1:] + answers[:1])
     assert sum(wrong) / len(wrong) <= 0.02
 
 
@@ -106,7 +110,7 @@ def _grade_timed(cases, clock=time.monotonic):
 def test_pathological_main_thread(response, answer):
     ((reward, status, seconds),) = _grade_timed([(response, answer)], time.process_time)  # the budget is CPU time
     assert reward == 0.0 and seconds < TIMEOUT_S + SLACK_S, (status, seconds)
-    assert math_reward("\\boxed{2}", "2") == 1.0  # grading still works after an interrupted one
+    assert grade("\\boxed{2}", "2")[0] == 1.0  # grading still works after an interrupted one
 
 
 def test_pathological_other_thread():

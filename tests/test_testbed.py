@@ -14,7 +14,7 @@ from testbed import build_arithmetic as tb_mod
 from testbed import common
 from testbed.common import CPU_ENV
 from utils.data import INSTRUCTION, format_prompt, load_problems
-from utils.reward import math_reward
+from utils.reward import grade
 
 # the tests sharing its module-scoped runs: on one xdist worker (make test: --dist loadgroup), the others anywhere
 SHARED = pytest.mark.xdist_group("test_testbed")
@@ -87,7 +87,7 @@ def test_sft_targets_are_right_and_plausible_wrong_solutions():
     r = tb_mod.ArithmeticRecipe()
     rows = tb_mod.make_problems(5, 4000, r.minus_share)
     targets = tb_mod.sft_targets(rows, r)
-    right = [math_reward(t, row["answer"]) for t, row in zip(targets, rows)]
+    right = [grade(t, row["answer"])[0] for t, row in zip(targets, rows)]
     # each of the two sums is a slip with probability step_error_rate; a + b - c is also misread as a + b + c
     slip_free = (1 - r.step_error_rate) ** 2
     last = [i for i, row in enumerate(rows) if row["terms"][2] < 0]
@@ -99,7 +99,7 @@ def test_sft_targets_are_right_and_plausible_wrong_solutions():
     assert all(abs(paths.count(p) / len(rows) - 1 / 3) < 0.04 for p in range(3))
     for row in rows[:100]:
         for p in range(3):  # every path without slips is paid for, with the same answer
-            assert math_reward(tb_mod.solution(row["terms"], p), row["answer"]) == 1.0
+            assert grade(tb_mod.solution(row["terms"], p), row["answer"])[0] == 1.0
     rng = random.Random(0)
     for x, y in [(37, 48), (20, 31), (99, 99), (52, -27), (60, -10)]:
         wrong = {tb_mod.slip(x, y, rng) for _ in range(200)}

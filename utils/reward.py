@@ -223,26 +223,10 @@ def grade(response: str, answer: str, timeout: float = TIMEOUT_S) -> tuple[float
         return 0.0, "error"
 
 
-def math_reward(response: str, answer: str, timeout: float = TIMEOUT_S) -> float:
-    """1.0 if the response's last \\boxed{} answer is mathematically equal to `answer`, else 0.0. Never raises."""
-    return grade(response, answer, timeout)[0]
-
-
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased estimate of the chance that at least one of k samples is right, from n samples with c right (k <= n):
     1 - C(n - c, k) / C(n, k) (Chen et al. 2021)."""
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def batch_grade(responses: list[str], answers: list[str], timeout: float = TIMEOUT_S) -> tuple[list[float], list[str]]:
-    """Rewards and statuses for paired responses and answers (count statuses for format rate and grader failures)."""
-    results = [grade(r, a, timeout) for r, a in zip(responses, answers, strict=True)]
-    return [r for r, _ in results], [s for _, s in results]
-
-
-def batch_math_reward(responses: list[str], answers: list[str], timeout: float = TIMEOUT_S) -> list[float]:
-    """math_reward for paired lists of responses and answers."""
-    return batch_grade(responses, answers, timeout)[0]
 
 
 def default_grading_workers() -> int:
