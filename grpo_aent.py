@@ -429,31 +429,31 @@ class TokenSelection:
     """The 80/20 rule in the loop, asked before each optimizer mini-batch (`start`) and for each micro-batch's loss
     (`keep`); with --top-entropy-quantile 1 it keeps every token and costs nothing."""
 
-    def __init__(self, args):
-        self.rho = args.top_entropy_quantile
+    def __init__(self, args, logprobs, policy):
+        self.rho, self.logprobs, self.policy = args.top_entropy_quantile, logprobs, policy
         self.scope = args.entropy_mask_scope if self.rho < 1 else None
         self.current, self.kept_mean = args.entropy_mask_source == "current", args.entropy_mask_norm == "kept"
         self.selection = None
 
-    def start(self, mb: range, entropies: list, later: bool, forward: tuple) -> None:
-        """Global scope: one threshold over the mini-batch of all ranks from the sampling policy's entropies (the
-        current policy's until an update) or, with --entropy-mask-source current after the step's first update
-        (`later`), from a no-grad forward of the mini-batch (`forward`: the log-prob function, the policy, batches)."""
+    def start(self, mini: range, batches: list, entropies: list, later: bool) -> None:
+        """Global scope: one threshold over the mini-batch `mini` (micro-batch indices) of all ranks from the sampling
+        policy's entropies (the current policy's until an update) or, with --entropy-mask-source current after the
+        step's first update (`later`), from a no-grad forward of the mini-batch's batches by the policy."""
         if self.scope == "global":
-            logprobs, policy, batches = forward
             with torch.no_grad():
                 current = self.current and later
                 decide = {
-                    i: logprobs(policy, batches[i], with_entropy=True)[1] if current else entropies[i] for i in mb
+                    i: self.logprobs(self.policy, batches[i], with_entropy=True)[1] if current else entropies[i]
+                    for i in mini
                 }
             self.selection = entropy_selection(decide, self.rho)
 
-    def keep(self, i: int, token_loss, entropy, sums: dict) -> tuple:
+    def keep(self, i: int, token_loss, entropy, sums: dict):
         """Micro-batch i's per-token loss on its kept tokens only (x tokens / kept tokens with --entropy-mask-norm
         kept: a mean over the kept); the microbatch scope selects here, from the training forward's entropies (TRL
-        1.16). Returns the loss, the kept mask (None: off) and the selection's scale; adds to the metrics' sums."""
+        1.16); adds to the metrics' sums. The selection it applied stays in `selection` (kept masks, scale)."""
         if self.scope is None:
-            return token_loss, None, 1.0
+            return token_loss
         if self.scope == "microbatch":  # TRL 1.16: this micro-batch's current entropies, all ranks
             self.selection = entropy_selection({i: entropy.detach()}, self.rho)
         s = self.selection
@@ -462,7 +462,7 @@ class TokenSelection:
         sums["kept_entropy"] += (s.entropy[i] * kept).sum().double()
         sums["threshold"] += s.threshold
         sums["selections"] += 1
-        return token_loss * kept * (s.scale if self.kept_mean else 1.0), kept, s.scale
+        return token_loss * kept * (s.scale if self.kept_mean else 1.0)
 
 
 if __name__ == "__main__":
@@ -493,18 +493,15 @@ if __name__ == "__main__":
     grading_workers = args.grading_workers or default_grading_workers()
     if launch.serving:  # a rollout rank generates for the trainers until they stop: its process ends here
         raise SystemExit(rollout_rank.serve(launch, args, tokenizer, train_data, grading_workers))
-    selector = TokenSelection(args)  # the 80/20 rule
-    select = selector.scope  # where it selects: global, microbatch or None (off)
-    train_entropy = select == "microbatch"  # the training forward's entropies: to select by
     grad_accum = args.num_prompts_per_step // (args.num_mini_batches * world_size) * G // mbs  # micro-batches/update
     policy, scheduler, ref_policy = models.make_policy(args, on_gpu, grad_accum, updates_per_step)
     # consumed: prompts of the seeded stream used so far; method_state: what a method carries across steps (both saved)
     start_step, consumed, method_state = 0, 0, {"entropy_coef": args.entropy_coef, "last_entropy": None}
     if resumed:
         start_step, method_state, consumed = checkpoints.load(policy, resumed, rank)
-    calls = models.head_calls(args)  # ZeRO-3: every rank calls the output head equally often (None: any number)
+    head_calls = models.head_calls(args)  # ZeRO-3: every rank calls the output head equally often (None: any number)
 
-    synced = select is not None and args.entropy_bonus_tokens == "kept"  # AEnt: the bonus on the kept tokens
+    synced = args.top_entropy_quantile < 1 and args.entropy_bonus_tokens == "kept"  # AEnt: the bonus on the kept tokens
     limits = dict(coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)  # AEnt: the coefficient's range
     target = dict(target=args.entropy_target, delta=args.entropy_coef_delta)  # AEnt: the target rule's
 
@@ -512,8 +509,12 @@ if __name__ == "__main__":
         return clamped_entropy(logits.float() / args.temperature, args.clamp_p)
 
     def logprobs(model, batch, with_entropy=False, extra=None):
-        return response_logprobs(model, batch, args.temperature, args.logprob_chunk_size, with_entropy, calls, extra)
+        return response_logprobs(
+            model, batch, args.temperature, args.logprob_chunk_size, with_entropy, head_calls, extra
+        )
 
+    selector = TokenSelection(args, logprobs, policy)  # the 80/20 rule: its scope global, microbatch or None (off)
+    train_entropy = selector.scope == "microbatch"  # the training forward's entropies: to select by
     sampler = make_sampler(args, rank, on_gpu, policy, tokenizer, launch)  # vLLM (or HF generate): utils/sampler.py
     if resumed:  # the checkpoint's weights, and beside rollout ranks its batches in flight
         sampler.resume(policy, resumed)
@@ -537,12 +538,12 @@ if __name__ == "__main__":
         advantages = group_advantages(rewards, args.scale_rewards).flatten()
         # each micro-batch's samples; mini-batch m is micro-batches minis[m]
         indices, minis = batching.micro_batches([len(p) + len(r) for p, r in zip(seq_prompts, responses)], args, device)
-        parts = [([seq_prompts[k] for k in g], [responses[k] for k in g], advantages[g], g) for g in indices]
+        inputs = [([seq_prompts[k] for k in idx], [responses[k] for k in idx], advantages[idx], idx) for idx in indices]
         batches = [
-            batching.collate(p, r, tokenizer.pad_token_id, device, a, args.padding_free, g) for p, r, a, g in parts
+            batching.collate(p, r, tokenizer.pad_token_id, device, a, args.padding_free, idx) for p, r, a, idx in inputs
         ]
         # the sampler's log-probs of each micro-batch's tokens, in its order
-        sampler_logps = [torch.tensor([x for k in g for x in samples[k].sampler_logps]).to(device) for g in indices]
+        sampler_logps = [torch.tensor([x for k in idx for x in samples[k].sampler_logps]).to(device) for idx in indices]
 
         # ---- log-prob pass: the sampling policy's log-probs and entropy, the reference policy's log-probs ----
         t0 = time.time()
@@ -567,18 +568,18 @@ if __name__ == "__main__":
         grad_norms, skipped = [], 0
         for epoch in range(args.num_epochs):
             for m in range(args.num_mini_batches):
-                mb = minis[m]
-                mb_lengths = torch.cat([batches[i]["lengths"] for i in mb])
+                mini = minis[m]
+                mini_lengths = torch.cat([batches[i]["lengths"] for i in mini])
                 totals = distributed.all_reduce_sums(
-                    {"tokens": mb_lengths.sum().item(), "seqs": len(mb_lengths)}, device
+                    {"tokens": mini_lengths.sum().item(), "seqs": len(mini_lengths)}, device
                 )
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
-                selector.start(mb, entropies, bool(epoch or m), (logprobs, policy, batches))  # 80/20 rule, global scope
+                selector.start(mini, batches, entropies, bool(epoch or m))  # the 80/20 rule, global scope
                 coef_state = method_state["entropy_coef"]  # AEnt: the step's coefficient, the same on every rank
                 gate = args.coef_rule == "box" or target_gate(method_state.get("last_entropy"), args.entropy_target)
                 coef = coef_state if gate else 0.0
                 window = {k: sums[k] + 0 for k in ("clamped_train", "train_tokens")}  # AEnt: copies: sums grow in place
-                for i in mb:
+                for i in mini:
                     batch = batches[i]
                     logp, entropy, clamped_h = logprobs(policy, batch, with_entropy=train_entropy, extra=clamped)
                     old_logp, adv = old_logps[i], batch["advantages"]
@@ -586,10 +587,11 @@ if __name__ == "__main__":
                     token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)
                     if args.vllm_is_cap:  # the sampler's tokens, weighted to the trainer's
                         token_loss = token_loss * rollout_weights(old_logp, sampler_logps[i], args.vllm_is_cap)
-                    token_loss, kept, scale = selector.keep(i, token_loss, entropy, sums)  # 80/20: the kept tokens only
+                    token_loss = selector.keep(i, token_loss, entropy, sums)  # the 80/20 rule: the kept tokens only
                     # AEnt: the clamped-entropy bonus, aggregated like the loss (rho < 1, synced: a mean over the kept)
-                    bonus_tokens = kept if synced else torch.ones_like(clamped_h, dtype=torch.bool)
-                    on = bonus_tokens * (scale if synced else 1.0)
+                    s = selector.selection  # synced: the tokens the 80/20 rule kept, and tokens / kept
+                    bonus_tokens = s.kept[i] if synced else torch.ones_like(clamped_h, dtype=torch.bool)
+                    on = bonus_tokens * (s.scale if synced else 1.0)
                     token_loss = token_loss - coef * clamped_h * on
                     sums["bonus"] += coef * (clamped_h.detach() * on * weights).sum().double()
                     sums["clamped_train"] += (clamped_h.detach() * bonus_tokens).sum().double()
@@ -601,7 +603,7 @@ if __name__ == "__main__":
                         sums["ref_kl"] += (ref_kl.detach() * weights).sum().double()
                     loss = (token_loss * weights).sum()
                     # DeepSpeed divides by the accumulation steps and averages over ranks; the weights already normalise
-                    policy.set_gradient_accumulation_boundary(i == mb[-1])  # the update: after the last
+                    policy.set_gradient_accumulation_boundary(i == mini[-1])  # the update: after the last
                     policy.backward(loss * grad_accum * world_size)
                     policy.step()
                     with torch.no_grad():
@@ -633,16 +635,16 @@ if __name__ == "__main__":
         sums["nll"] = -old_logp.sum().item()
         # the sampler's log-probs against the trainer's, the correction's weights
         sums.update(tracking.sampler_sums(old_logp, torch.cat(sampler_logps), args.vllm_is_cap))
-        g = distributed.all_reduce_sums(sums, device)
+        summed = distributed.all_reduce_sums(sums, device)
         max_length = torch.tensor([max(len(s.ids) for s in samples)], device=device)
         dist.all_reduce(max_length, op=dist.ReduceOp.MAX)
         metrics.update(
-            tracking.step_metrics(g, args, grad_norms, skipped, scheduler, time.time() - step_start, max_length)
+            tracking.step_metrics(summed, args, grad_norms, skipped, scheduler, time.time() - step_start, max_length)
         )
         metrics.update(tracking.opening_metrics(entropies, batches, samples))  # the top 20% and first tokens
         coef_range = torch.tensor([coef_state, -coef_state], dtype=torch.float64, device=device)  # AEnt: max, -min
         dist.all_reduce(coef_range, op=dist.ReduceOp.MAX)
-        metrics.update(aent_metrics(g, coef_state, coef_range.sum().item(), coef, updates_per_step))  # AEnt
+        metrics.update(aent_metrics(summed, coef_state, coef_range.sum().item(), coef, updates_per_step))  # AEnt
         tracker.log(metrics, step + 1)
         # AEnt: same inputs on every rank, same value, no broadcast; a non-finite entropy (skipped updates) keeps it
         h = metrics["entropy/sampled_nll" if args.coef_signal == "nll" else "entropy/clamped_train"]

@@ -27,4 +27,4 @@ llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(shu
 if launch.serving:  # until trainer 0's stop, then ends
     rollout_rank.make_sampler = lambda *a: sampler.Sampler(llm, args)
     raise SystemExit(rollout_rank.serve(launch, args, None, [], 1))
-process.shutdown(sampler.RolloutRankSampler(launch.make_engine(args.max_staleness), args), launch)  # the trainers
+process.shutdown(sampler.RolloutRankSampler(launch.make_client(args.max_staleness), args), launch)  # the trainers

@@ -1,4 +1,4 @@
-"""A rollout rank's life with --rollout-ranks (utils/split_launch.py: the split world, the trainers' Engine, the
+"""A rollout rank's life with --rollout-ranks (utils/split_launch.py: the split world, the trainers' RolloutClient, the
 messages): it starts its part of a vLLM engine and runs trainer 0's commands until "stop", collecting the batches of
 the trainer ranks it plays (utils/rollouts.py collect_for, the script's generate), loading weights, generating for
 evaluation; a sender thread delivers the batches while it generates the next ones. Knows no method."""

@@ -9,9 +9,9 @@ rollout ranks: trainer 0's commands, and the weights one parameter at a time, ov
 process, gloo: each rollout rank sends the trainer ranks it generates for their batches and evaluation samples, from a
 sender thread).
 
-On the trainers the scripts' sampler (utils/sampler.py RolloutRankSampler) drives an Engine, a stand-in for vLLM's LLM
-(generate, apply_model, reset_prefix_cache: the sampler's generate and push run unchanged), and rollouts.collect returns
-the batch the rollout ranks collected for the step (receive). The rollout ranks run utils/rollout_rank.py's
+On the trainers the scripts' sampler (utils/sampler.py RolloutRankSampler) drives a RolloutClient, a stand-in for vLLM's
+LLM (generate, apply_model, reset_prefix_cache: the sampler's generate and push run unchanged), and rollouts.collect
+returns the batch the rollout ranks collected for the step (receive). The rollout ranks run utils/rollout_rank.py's
 `serve`: rollouts.collect_for itself (generation, grading, dynamic sampling) for the trainer ranks each plays (r % K),
 the commands in trainer 0's order. It stands above utils/distributed.py (process setup: distributed.init_distributed
 starts it) and keeps no module-level state.
@@ -36,11 +36,11 @@ from .distributed import TIMEOUT, reason
 
 
 class SplitLaunch:
-    """This process's place in the launch, made once by the script and started by distributed.init_distributed
-    (start), then passed where the split matters: the sampler (utils/sampler.py make_sampler: on a trainer an Engine,
-    which also holds the batches in flight), the rollout ranks' life (utils/rollout_rank.py serve) and the end
-    (close). `rollouts` 0: nothing split (colocated engines), every process trains. Else the first processes of the
-    launch train, the last `rollouts` only generate (`serving`), each side in a torch.distributed world of its own."""
+    """This process's place in the launch, made once by the script and started by distributed.init_distributed (start),
+    then passed where the split matters: the sampler (utils/sampler.py make_sampler: on a trainer a RolloutClient, which
+    also holds the batches in flight), the rollout ranks' life (utils/rollout_rank.py serve) and the end (close).
+    `rollouts` 0: nothing split (colocated engines), every process trains. Else the first processes of the launch train,
+    the last `rollouts` only generate (`serving`), each side in a torch.distributed world of its own."""
 
     def __init__(self, rollouts: int = 0):
         self.rollouts, self.serving, self.device = rollouts, False, None
@@ -87,10 +87,10 @@ class SplitLaunch:
         """Whether this process is a trainer beside rollout ranks."""
         return self.rollouts > 0 and not self.serving
 
-    def make_engine(self, staleness: int) -> "Engine":
+    def make_client(self, staleness: int) -> "RolloutClient":
         """A trainer's stand-in for vLLM's LLM (utils/sampler.py RolloutRankSampler), --max-staleness `staleness` steps
         ahead."""
-        return Engine(staleness, self)
+        return RolloutClient(staleness, self)
 
     def failed(self, peer: str, error: Exception) -> SystemExit:
         """The one line of a process whose peer is gone."""
@@ -136,7 +136,7 @@ def broadcast(obj, group, tensor=None):
     return pickle.loads(buffer.numpy().tobytes())
 
 
-class Engine:
+class RolloutClient:
     """The trainers' stand-in for vLLM's LLM, whose engines run on the rollout ranks (the module docstring).
 
     A resumed run's batches in flight come from its checkpoint (restore). A rollout rank's stop signal comes with each
