@@ -367,17 +367,17 @@ class ClampedEntropy(torch.autograd.Function):
         return grad, None, None
 
 
-def aent_metrics(g: dict, coef_state: float, coef_spread: float, coef: float, updates_per_step: int) -> dict:
+def aent_metrics(summed: dict, coef_state: float, coef_spread: float, coef: float, updates_per_step: int) -> dict:
     """AEnt's metrics from the step's sums over ranks: the clamped entropy of the sampling policy and of the policy
     trained, the coefficient (its state after the step's updates, its spread over ranks, the last one applied) and
     the bonus per update."""
     return {
-        "entropy/clamped": g["clamped"] / g["tokens"],
-        "entropy/clamped_train": g["clamped_train"] / g["train_tokens"],
+        "entropy/clamped": summed["clamped"] / summed["tokens"],
+        "entropy/clamped_train": summed["clamped_train"] / summed["train_tokens"],
         "entropy/coef": coef_state,
         "entropy/coef_rank_spread": coef_spread,
         "entropy/coef_applied": coef,
-        "entropy/bonus": g["bonus"] / updates_per_step,
+        "entropy/bonus": summed["bonus"] / updates_per_step,
     }
 
 

@@ -375,12 +375,12 @@ def branch_gradients(log_ratio, advantages, eps_low: float, eps_high: float, cli
     }
 
 
-def cegppo_metrics(g: dict, sft: bool, updates_per_step: int) -> dict:
+def cegppo_metrics(summed: dict, sft: bool, updates_per_step: int) -> dict:
     """CE-GPPO's metrics from the step's sums over ranks: each branch's share of the gradient (|d loss / d logp|,
     loss-weighted), and with the SFT term its NLL per update (its share of the loss: x coef)."""
-    total = max(g["grad_beta1"] + g["grad_beta2"] + g["grad_inside"], 1e-30)
-    metrics = {f"cegppo/grad_{b}_share": g[f"grad_{b}"] / total for b in ("beta1", "beta2", "inside")}
-    return metrics | ({"cegppo/sft_nll": g["sft_nll"] / updates_per_step} if sft else {})
+    total = max(summed["grad_beta1"] + summed["grad_beta2"] + summed["grad_inside"], 1e-30)
+    metrics = {f"cegppo/grad_{b}_share": summed[f"grad_{b}"] / total for b in ("beta1", "beta2", "inside")}
+    return metrics | ({"cegppo/sft_nll": summed["sft_nll"] / updates_per_step} if sft else {})
 
 
 def correct_tokens(samples: list, graded: list, lengths, device) -> torch.Tensor:

@@ -320,14 +320,14 @@ def selection_generator(args, step: int, epoch: int, m: int, rank: int) -> torch
     return torch.Generator().manual_seed(int(draw.integers(2**62)))
 
 
-def clip_cov_metrics(g: dict, num_epochs: int, selection_time: float) -> dict:
+def clip_cov_metrics(summed: dict, num_epochs: int, selection_time: float) -> dict:
     """Clip-Cov's metrics from the step's sums over ranks (every token is in one mini-batch per epoch)."""
-    considered = g["tokens"] * num_epochs
+    considered = summed["tokens"] * num_epochs
     return {
-        "cov/mean": g["cov"] / considered,
-        "cov/selected_frac": g["selected"] / considered,
-        "cov/selected_mean": g["selected_cov"] / max(g["selected"], 1),
-        "cov/clipped_frac": g["dropped"] / considered,  # no gradient: PPO-clipped or Clip-Cov-selected
+        "cov/mean": summed["cov"] / considered,
+        "cov/selected_frac": summed["selected"] / considered,
+        "cov/selected_mean": summed["selected_cov"] / max(summed["selected"], 1),
+        "cov/clipped_frac": summed["dropped"] / considered,  # no gradient: PPO-clipped or Clip-Cov-selected
         "time/cov_selection": selection_time,
     }
 

@@ -341,13 +341,13 @@ def entropy_advantages(advantages, entropy, alpha: float, kappa: float) -> tuple
     return advantages + psi, psi
 
 
-def entadv_metrics(g: dict, num_epochs: int) -> dict:
+def entadv_metrics(summed: dict, num_epochs: int) -> dict:
     """The shaping's metrics from the step's sums over ranks (every token is shaped once per epoch)."""
-    shaped = g["tokens"] * num_epochs
+    shaped = summed["tokens"] * num_epochs
     return {
-        "entadv/bonus": g["psi"] / shaped,  # mean psi over the tokens, in advantage units
-        "entadv/bonus_rel": g["psi"] / max(g["abs_adv"], 1e-12),  # sum psi / sum |A|: the shaping's share
-        "entadv/capped_frac": g["capped"] / shaped,  # tokens whose bonus is |A| / kappa (A = 0 included)
+        "entadv/bonus": summed["psi"] / shaped,  # mean psi over the tokens, in advantage units
+        "entadv/bonus_rel": summed["psi"] / max(summed["abs_adv"], 1e-12),  # sum psi / sum |A|: the shaping's share
+        "entadv/capped_frac": summed["capped"] / shaped,  # tokens whose bonus is |A| / kappa (A = 0 included)
     }
 
 

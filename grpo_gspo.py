@@ -363,10 +363,12 @@ def gspo_sums(sums: dict, seq_log_ratio, clipped, lengths) -> None:
     sums["seqs_trained"] += len(first)
 
 
-def gspo_metrics(g: dict) -> dict:
+def gspo_metrics(summed: dict) -> dict:
     return {
-        "gspo/seq_clip_frac": g["seqs_clipped"] / max(g["seqs_trained"], 1.0),  # sequences, over every update (TRL's)
-        "gspo/seq_ratio_dev": g["seq_ratio_dev"] / max(g["seqs_trained"], 1.0),  # mean |s - 1|, to set eps against
+        "gspo/seq_clip_frac": summed["seqs_clipped"]
+        / max(summed["seqs_trained"], 1.0),  # sequences, over every update (TRL's)
+        "gspo/seq_ratio_dev": summed["seq_ratio_dev"]
+        / max(summed["seqs_trained"], 1.0),  # mean |s - 1|, to set eps against
     }
 
 

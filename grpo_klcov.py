@@ -313,14 +313,14 @@ def kl_cov_global_selection(current: list, batches: list, mini: range, ratio: fl
     return batching.over_mini_batch([current, [batches[i]["advantages"] for i in mini]], batches, mini, select)
 
 
-def kl_cov_metrics(g: dict, num_epochs: int, selection_time: float) -> dict:
+def kl_cov_metrics(summed: dict, num_epochs: int, selection_time: float) -> dict:
     """KL-Cov's metrics from the step's sums over ranks (every token is in one mini-batch per epoch)."""
-    considered, selected = g["tokens"] * num_epochs, max(g["selected"], 1)
+    considered, selected = summed["tokens"] * num_epochs, max(summed["selected"], 1)
     return {
-        "cov/mean": g["cov"] / considered,
-        "cov/selected_frac": g["selected"] / considered,
-        "cov/selected_mean": g["selected_cov"] / selected,
-        "cov/kl_selected": g["kl_selected"] / selected,  # mean |logp - old_logp| penalised
+        "cov/mean": summed["cov"] / considered,
+        "cov/selected_frac": summed["selected"] / considered,
+        "cov/selected_mean": summed["selected_cov"] / selected,
+        "cov/kl_selected": summed["kl_selected"] / selected,  # mean |logp - old_logp| penalised
         "time/cov_selection": selection_time,
     }
 

@@ -376,13 +376,13 @@ def lpreg_loss(token_loss, logp, old_logp, advantages, proxy, selected, beta: fl
     return torch.where(selected, -advantages * ratio, token_loss), beta * k3 * selected, k3
 
 
-def lpreg_metrics(g: dict, num_epochs: int) -> dict:
+def lpreg_metrics(summed: dict, num_epochs: int) -> dict:
     """Lp-Reg's metrics from the step's sums over ranks: the share of tokens regularised (every token is in one
     mini-batch per epoch), their mean k3, the share of sampled tokens outside the min-p set."""
     return {
-        "lpreg/selected_frac": g["lp_selected"] / (g["tokens"] * num_epochs),
-        "lpreg/k3_selected": g["lp_k3"] / max(g["lp_selected"], 1),
-        "lpreg/outside_minp_frac": g["outside_minp"] / g["tokens"],
+        "lpreg/selected_frac": summed["lp_selected"] / (summed["tokens"] * num_epochs),
+        "lpreg/k3_selected": summed["lp_k3"] / max(summed["lp_selected"], 1),
+        "lpreg/outside_minp_frac": summed["outside_minp"] / summed["tokens"],
     }
 
 

@@ -350,10 +350,10 @@ def sapo_sums(sums: dict, gate, advantages) -> None:
         sums[f"tokens_{sign}"] += tokens.sum().double()
 
 
-def sapo_metrics(g: dict) -> dict:
+def sapo_metrics(summed: dict) -> dict:
     return {  # 1: on policy; a token's gate multiplies its policy gradient -A r
-        "sapo/gate_pos": g["gate_pos"] / max(g["tokens_pos"], 1.0),  # mean gate of the tokens with A > 0
-        "sapo/gate_neg": g["gate_neg"] / max(g["tokens_neg"], 1.0),  # and with A < 0
+        "sapo/gate_pos": summed["gate_pos"] / max(summed["tokens_pos"], 1.0),  # mean gate of the tokens with A > 0
+        "sapo/gate_neg": summed["gate_neg"] / max(summed["tokens_neg"], 1.0),  # and with A < 0
     }
 
 

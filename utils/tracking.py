@@ -73,52 +73,54 @@ def opening_metrics(entropies: list, batches: list, samples: list) -> dict:
     }
 
 
-def step_metrics(g: dict, args, grad_norms: list, skipped: int, scheduler, step_time: float, max_length) -> dict:
-    """The shared metrics of a training step (docs/training.md) from its sums over ranks `g`: means per sequence,
+def step_metrics(summed: dict, args, grad_norms: list, skipped: int, scheduler, step_time: float, max_length) -> dict:
+    """The shared metrics of a training step (docs/training.md) from its sums over ranks `summed`: means per sequence,
     token or optimizer update; the sampler's, the reference KL's and the 80/20 rule's when they ran."""
     updates = args.num_mini_batches * args.num_epochs
     metrics = {
-        "rollout/reward": g["reward"] / g["seqs"],
-        "rollout/accuracy": g["correct"] / g["seqs"],
-        "rollout/format_rate": g["boxed"] / g["seqs"],
-        "rollout/reward_failures": g["failures"],
-        "rollout/response_length": g["tokens"] / g["seqs"],
+        "rollout/reward": summed["reward"] / summed["seqs"],
+        "rollout/accuracy": summed["correct"] / summed["seqs"],
+        "rollout/format_rate": summed["boxed"] / summed["seqs"],
+        "rollout/reward_failures": summed["failures"],
+        "rollout/response_length": summed["tokens"] / summed["seqs"],
         "rollout/response_length_max": max_length.item(),
-        "rollout/truncation_rate": g["truncated"] / g["seqs"],
-        "rollout/all_equal_frac": g["all_equal"] / g["groups"],
-        "entropy/full": g["entropy"] / g["tokens"],
-        "entropy/sampled_nll": g["nll"] / g["tokens"],
-        "losses/policy_loss": g["loss"] / updates,
-        "losses/clip_frac": g["clipped"] / updates,
-        "losses/clip_frac_high_pos": g["clip_frac_high_pos"] / updates,  # the ratio's side and the sign of A
-        "losses/clip_frac_high_neg": g["clip_frac_high_neg"] / updates,
-        "losses/clip_frac_low_pos": g["clip_frac_low_pos"] / updates,
-        "losses/clip_frac_low_neg": g["clip_frac_low_neg"] / updates,
-        "losses/approx_kl": g["approx_kl"] / updates,
+        "rollout/truncation_rate": summed["truncated"] / summed["seqs"],
+        "rollout/all_equal_frac": summed["all_equal"] / summed["groups"],
+        "entropy/full": summed["entropy"] / summed["tokens"],
+        "entropy/sampled_nll": summed["nll"] / summed["tokens"],
+        "losses/policy_loss": summed["loss"] / updates,
+        "losses/clip_frac": summed["clipped"] / updates,
+        "losses/clip_frac_high_pos": summed["clip_frac_high_pos"] / updates,  # the ratio's side and the sign of A
+        "losses/clip_frac_high_neg": summed["clip_frac_high_neg"] / updates,
+        "losses/clip_frac_low_pos": summed["clip_frac_low_pos"] / updates,
+        "losses/clip_frac_low_neg": summed["clip_frac_low_neg"] / updates,
+        "losses/approx_kl": summed["approx_kl"] / updates,
         "losses/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
         "losses/skipped_updates": skipped,
         "charts/lr": scheduler.get_last_lr()[0],
         "time/step": step_time,
-        "charts/tokens_per_second": (g["tokens"] + g["prompt_tokens"]) / step_time,
-        "charts/padding_frac": 1 - (g["tokens"] + g["prompt_tokens"]) / g["positions"],
+        "charts/tokens_per_second": (summed["tokens"] + summed["prompt_tokens"]) / step_time,
+        "charts/padding_frac": 1 - (summed["tokens"] + summed["prompt_tokens"]) / summed["positions"],
     }
-    if "gap" in g:  # a vLLM sampler: its log-probs against the trainer's
-        metrics["rollout/vllm_logprob_gap"] = g["gap"] / g["tokens"]
-        metrics["rollout/is_weight_mean"] = g["is_weight"] / g["tokens"]  # min(ratio, C) over the sampled tokens
-        metrics["rollout/is_clipped_frac"] = g["is_clipped"] / g["tokens"]
+    if "gap" in summed:  # a vLLM sampler: its log-probs against the trainer's
+        metrics["rollout/vllm_logprob_gap"] = summed["gap"] / summed["tokens"]
+        metrics["rollout/is_weight_mean"] = (
+            summed["is_weight"] / summed["tokens"]
+        )  # min(ratio, C) over the sampled tokens
+        metrics["rollout/is_clipped_frac"] = summed["is_clipped"] / summed["tokens"]
     if args.rollout_ranks:  # the trainers' wait for the step's batch (the generation not hidden behind training)
-        metrics["time/rollout_wait"] = g["rollout_wait"] / args.world_size
+        metrics["time/rollout_wait"] = summed["rollout_wait"] / args.world_size
     if args.kl_coef > 0:  # the reference policy
-        metrics["losses/ref_kl"] = g["ref_kl"] / updates
+        metrics["losses/ref_kl"] = summed["ref_kl"] / updates
     if args.filter_groups:  # dynamic sampling: generation rounds, groups generated and dropped, the step filled
-        metrics["rollout/gen_rounds"] = g["gen_rounds"]
-        metrics["rollout/generated_groups"] = g["generated_groups"]
-        metrics["rollout/filtered_frac"] = g["filtered"] / g["generated_groups"]
-        metrics["rollout/filled_groups"] = g["filled"]
+        metrics["rollout/gen_rounds"] = summed["gen_rounds"]
+        metrics["rollout/generated_groups"] = summed["generated_groups"]
+        metrics["rollout/filtered_frac"] = summed["filtered"] / summed["generated_groups"]
+        metrics["rollout/filled_groups"] = summed["filled"]
     if args.top_entropy_quantile < 1:  # the 80/20 rule's mean threshold, the share of tokens trained, their entropy
-        metrics["entropy/mask_threshold"] = g["threshold"] / g["selections"]
-        metrics["entropy/kept_frac"] = g["kept"] / (g["tokens"] * args.num_epochs)
-        metrics["entropy/kept"] = g["kept_entropy"] / max(g["kept"], 1)
+        metrics["entropy/mask_threshold"] = summed["threshold"] / summed["selections"]
+        metrics["entropy/kept_frac"] = summed["kept"] / (summed["tokens"] * args.num_epochs)
+        metrics["entropy/kept"] = summed["kept_entropy"] / max(summed["kept"], 1)
     return metrics
 
 
