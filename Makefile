@@ -37,7 +37,7 @@ testbed: venv
 	$(CPU_ENV) $(PY) -m $(BUILD)
 	$(CPU_ENV) $(PY) -m torch.distributed.run --nproc_per_node $(NPROC) --master_port 29511 $(SCRIPT) \
 		$(TESTBED_ARGS) $(ARGS)
-	$(PY) benchmarks/plot_run.py $$(ls -td runs/*/ | head -1)
+	$(PY) -m benchmarks.plot_run $$(ls -td runs/*/ | head -1)
 
 test: venv
 	$(CPU_ENV) $(PY) -m pytest -x -q -n 2 --dist loadgroup -m "not bf16_all" tests

@@ -4,17 +4,12 @@ import json
 import math
 import os
 import re
-import sys
 from dataclasses import dataclass
 
 import numpy as np
 import tyro
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # `python benchmarks/compare.py` must find benchmarks/metrics.py
-    sys.path.insert(0, ROOT)
-
-from benchmarks.metrics import (  # noqa: E402
+from benchmarks.metrics import (
     AENT,
     CLIP,
     COV,

@@ -13,13 +13,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import tyro
 
+from utils.data import check_model, format_prompt, load_problems
+from utils.reward import grade, last_boxed, pass_at_k
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # `python benchmarks/eval.py` must find utils/ and grpo_vanilla.py
-    sys.path.insert(0, ROOT)
-
-from utils.data import check_model, format_prompt, load_problems  # noqa: E402
-from utils.reward import grade, last_boxed, pass_at_k  # noqa: E402
-
 DATA_DIR = os.path.join(ROOT, "benchmarks", "data")
 VENDORED = ("math500", "aime24", "amc23", "minerva_math", "olympiadbench", "gsm8k")
 PROTOCOL_OUTPUTS, PROTOCOL_LOGITS = "math_results.parquet", "math_results_logits.pt"
@@ -464,7 +461,8 @@ if __name__ == "__main__":
             devices = ",".join(gpus[i * args.tensor_parallel_size : (i + 1) * args.tensor_parallel_size])
             cmd = [
                 sys.executable,
-                os.path.abspath(__file__),
+                "-m",
+                "benchmarks.eval",
                 *sys.argv[1:],
                 "--output-dir",
                 out_dir,
@@ -473,6 +471,7 @@ if __name__ == "__main__":
                 "--num-shards",
                 str(dp),
             ]
+            # this process's working directory, which found benchmarks.eval and which the flags' relative paths are from
             procs.append(subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": devices}))
         if any(p.wait() != 0 for p in procs):
             raise SystemExit("error: a data-parallel worker failed (finished problems are kept; rerun to resume)")

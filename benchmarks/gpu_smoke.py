@@ -3,9 +3,9 @@ PyTorch, README "First GPU run"): one command of at most 9 minutes (--budget 540
 (not yet run on one: the times below are estimates), no downloads (the shipped testbed/, and random-weights models
 built locally by bench_gpu.build_model_dir: Qwen2.5-1.5B's dimensions, and LONG's small long-context one).
 
-    python benchmarks/gpu_smoke.py            # one GPU; everything printed is also written to runs/gpu_smoke.txt
-    python benchmarks/gpu_smoke.py --cpu      # the same checks at tiny sizes on CPU (tests/test_gpu_smoke.py)
-    python benchmarks/gpu_smoke.py --calibrate   # the numbers behind the long-context thresholds (LONG_GAP)
+    python -m benchmarks.gpu_smoke            # one GPU; everything printed is also written to runs/gpu_smoke.txt
+    python -m benchmarks.gpu_smoke --cpu      # the same checks at tiny sizes on CPU (tests/test_gpu_smoke.py)
+    python -m benchmarks.gpu_smoke --calibrate   # the numbers behind the long-context thresholds (LONG_GAP)
 
 Each check prints one line, `PASS <check>: <numbers> [<s>]`, `FAIL <check>: <why> [<s>]` or `SKIP <check>: <why>`, in
 this order; then a summary line, and the exit code is 1 if any check failed. [<s>]: wall seconds of the process that
@@ -24,7 +24,8 @@ made the line. A failed check never stops the later ones. Checks that need no vL
    token-budget micro-batches), cegppo-sft (grpo_cegppo.py --cegppo-sft-coef 0.1, issue 57: its mask met the GPU's
    log-probs from the CPU): each method's loop on this device; its own metrics finite and non-trivial (cegppo/sft_nll
    > 0 in some step).
-6. bench: benchmarks/bench_gpu.py (GPU: Qwen2.5-1.5B dimensions; CPU: --tiny): its table, training rows required.
+6. bench: benchmarks/experiments/bench_gpu.py (GPU: Qwen2.5-1.5B dimensions; CPU: --tiny): its table, training rows
+   required.
 7. In one child (--long-context), issue 57's ZeRO-3 bf16 finding and the sleep levels, on LONG's model (head size 128,
    rope_theta 1e6, prompts of 4000 tokens on GPU), the policy loaded by utils.models.make_policy, ZeRO-2 and ZeRO-3.
    zero2-buffers, zero3-buffers: every buffer (the rotary inv_freq and original_inv_freq) has the dtype (fp32) and the
@@ -82,10 +83,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from utils import versions  # noqa: E402
+from utils import versions
 from utils.testbed import CPU_ENV, build_testbed  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GAP_MAX = {"gpu": 0.1, "cpu": 1e-4}
 GAP_FLOOR = {"gpu": 5e-3, "cpu": 1e-6}
@@ -344,7 +345,7 @@ class Smoke:
         # one process needs no launcher: the scripts default to rank 0 of 1; run() gives it a port
         port = free_port()
         launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port)]
-        cmd = [sys.executable, *(launcher if nproc > 1 else []), os.path.abspath(__file__), "--probe"]
+        cmd = [sys.executable, *(launcher if nproc > 1 else []), "-m", "benchmarks.gpu_smoke", "--probe"]
         cmd += [os.path.join(ROOT, "tests", "inject.py")] if fault else []
         cmd += [os.path.join(ROOT, script), "--model-name-or-path", self.testbed.model_dir]
         cmd += ["--dataset", self.testbed.train_file, "--output-dir", out_dir]
@@ -505,7 +506,7 @@ def zero3_eval_check(s: Smoke, vllm: bool = False) -> list:
         return lines + [f"FAIL {eval_name}: not run ({name} failed)"]
     final, eval_dir = os.path.join(s.run_dir_of(os.path.join(s.work, name)), "final"), s.fresh_dir(eval_name)
     n, problems = 2, s.a.eval_problems
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "eval.py"), "--model-name-or-path", final]
+    cmd = [sys.executable, "-m", "benchmarks.eval", "--model-name-or-path", final]
     cmd += ["--datasets", s.testbed.test_file, "--limit", str(problems), "--n", str(n), "--output-dir", eval_dir]
     cmd += ["--max-prompt-length", "128", "--max-response-length", "48"] + ([] if vllm else ["--no-use-vllm"])
     res, fail = s.run(eval_name, cmd, eval_dir)
@@ -525,7 +526,9 @@ def zero3_eval_check(s: Smoke, vllm: bool = False) -> list:
 def child_check(s: Smoke, flag: str, expected: list, scale: float) -> list:
     """This file with `flag` in a child process (the GPU is free again when it exits): its SMOKE lines."""
     log_dir = s.fresh_dir(flag.strip("-"))
-    cmd = [sys.executable, os.path.abspath(__file__), flag, "--work-dir", s.work] + (["--cpu"] if s.hw == "cpu" else [])
+    cmd = [sys.executable, "-m", "benchmarks.gpu_smoke", flag, "--work-dir", s.work] + (
+        ["--cpu"] if s.hw == "cpu" else []
+    )
     res, fail = s.run(flag.strip("-"), cmd, log_dir, scale)
     lines = [line[len("SMOKE ") :] for line in res.out.splitlines() if line.startswith("SMOKE ")]
     reported = {line.split()[1].rstrip(":") for line in lines if line.startswith(("PASS", "FAIL", "SKIP"))}
@@ -537,7 +540,7 @@ def bench_check(s: Smoke) -> list:
     name = "bench"
     log_dir = s.fresh_dir(name)
     flags = shlex.split(s.a.bench_flags if s.a.bench_flags is not None else "--tiny" if s.hw == "cpu" else "")
-    res, fail = s.run(name, [sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpu.py"), *flags], log_dir, 1.5)
+    res, fail = s.run(name, [sys.executable, "-m", "benchmarks.experiments.bench_gpu", *flags], log_dir, 1.5)
     if fail:
         return fail
     table = [line for line in res.out.splitlines() if line.startswith("|")]
@@ -739,9 +742,9 @@ def in_process(a) -> None:
     """make_policy + start_engine in this process; per sleep level (GPU 1, 2, 0; CPU 0): generate, sleep, one training
     step, push (and wake); memory, parameter equality and the sampler's gap, as SMOKE lines."""
     import torch
-    from bench_gpu import QWEN25_15B, TINY, build_model_dir
 
     import grpo_vanilla as gv
+    from benchmarks.experiments.bench_gpu import QWEN25_15B, TINY, build_model_dir
     from utils import batching, distributed, logprobs, models, vllm_engine
     from utils.sampler import Sampler
 
@@ -893,10 +896,10 @@ def long_context(a) -> None:
     which level to keep (sleep_advice). long-gap-zero3: the ZeRO-3 policy's weights pushed, fresh samples against it.
     Without vLLM only the first three; on CPU the cycles at level 0 only (vLLM-CPU has no sleep mode)."""
     import torch
-    from bench_gpu import build_model_dir
     from transformers import AutoModelForCausalLM
 
     import grpo_vanilla as gv
+    from benchmarks.experiments.bench_gpu import build_model_dir
     from utils import batching, distributed, logprobs, models, vllm_engine
 
     def say(line: str) -> None:

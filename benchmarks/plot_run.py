@@ -1,4 +1,4 @@
-"""Plot reward, entropy and held-out accuracy per step of runs: python benchmarks/plot_run.py runs/<run> [...]
+"""Plot reward, entropy and held-out accuracy per step of runs: python -m benchmarks.plot_run runs/<run> [...]
 
 Each curve is smoothed (a centred moving average; `--smooth`, in steps) over its raw points, drawn faint.
 The plot goes to <first run>/plot.png.

@@ -1,7 +1,7 @@
 """A run's metrics as means over windows of steps, one row per window: how a metric moved while another did, e.g.
 which branch of CE-GPPO carried the gradient while the entropy rose.
 
-    python benchmarks/run_windows.py --runs 'runs/testbed_cegppo_mb8/*' --window 20 \
+    python -m benchmarks.run_windows --runs 'runs/testbed_cegppo_mb8/*' --window 20 \
         --metrics entropy/full rollout/reward cegppo/grad_beta1_share cegppo/grad_beta2_share
 """
 

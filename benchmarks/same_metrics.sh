@@ -58,7 +58,7 @@ for config in "${CONFIGS[@]}"; do
       || { echo "$name ($side): failed, see $OUT/$side/$name.log"; failed=1; continue 2; }
   done
   printf '%-15s ' "$name"
-  $PY "$ROOT/benchmarks/compare_metrics.py" "$OUT"/before/"$name"/*/metrics.jsonl "$OUT"/after/"$name"/*/metrics.jsonl \
-    ${ALLOW_NEW:+--allow-new} || failed=1
+  (cd "$ROOT" && $PY -m benchmarks.compare_metrics "$OUT"/before/"$name"/*/metrics.jsonl \
+    "$OUT"/after/"$name"/*/metrics.jsonl ${ALLOW_NEW:+--allow-new}) || failed=1
 done
 exit $failed

@@ -1,17 +1,11 @@
 # A wandb Report comparing tracked GRPO runs by method (seeds aggregated: mean, min-max band); docs: README.md
 import json
-import os
-import sys
 from dataclasses import dataclass
 from typing import Literal
 
 import tyro
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # `python benchmarks/wandb_report.py` must find benchmarks/metrics.py
-    sys.path.insert(0, ROOT)
-
-from benchmarks.metrics import (  # noqa: E402
+from benchmarks.metrics import (
     CLIP,
     COV,
     ENTROPY,

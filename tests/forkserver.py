@@ -1,6 +1,7 @@
 """One interpreter per pytest worker that imports the scripts' libraries once, then forks a fresh process for every run
 the tests ask for (tests/launch.py run_python): the script runs as `__main__`, unchanged, as `python script.py` runs
-it, and ends as the interpreter ends it up to the final garbage collection over the libraries' heap, which is skipped.
+it (or, for argv ["-m", module, ...], as `python -m module` runs it), and ends as the interpreter ends it up to the
+final garbage collection over the libraries' heap, which is skipped.
 A 2-step testbed run costs ~3.5 CPU-s instead of ~16 (with vLLM), ~1.5 instead of ~9 (HF generate): the imports
 (torch, transformers, DeepSpeed, vLLM) and that collection were most of it. Runs whose environment a library reads at
 import time (a vLLM log level, a PYTHONPATH) and the tests of the command line itself launch a plain interpreter.
@@ -77,11 +78,18 @@ def run_child(request, rank):
     os.dup2(null, 0)
     for fd, name in ((1, "stdout"), (2, "stderr")):
         os.dup2(os.open(request[name], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), fd)
-    script = request["argv"][0]
-    sys.argv = list(request["argv"])
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    argv = list(request["argv"])
+    if (
+        argv[0] == "-m"
+    ):  # as `python -m`: the working directory first on the path; sys.argv[0] becomes the module's file
+        sys.argv, sys.path[0] = argv[1:], os.getcwd()
+    else:
+        sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))
     try:
-        runpy.run_path(script, run_name="__main__")
+        if argv[0] == "-m":
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(argv[0], run_name="__main__")
         code = 0
     except SystemExit as e:  # as the interpreter reports it (Python/pythonrun.c handle_system_exit)
         if e.code is None or isinstance(e.code, int):

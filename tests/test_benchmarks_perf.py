@@ -12,7 +12,7 @@ from launch import CPU_ENV, ROOT, free_port, run_python
 def run_benchmark(args, timeout=120):
     env = {**os.environ, **CPU_ENV, "MASTER_PORT": str(free_port())}
     proc = run_python(args, env, timeout=timeout)
-    assert proc.returncode == 0, f"{args[0]} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{args[1]} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
 
@@ -27,7 +27,8 @@ def table_rows(out: str) -> list:
 def test_bench_logprob_memory_agrees_with_naive():
     out = run_benchmark(
         [
-            "benchmarks/bench_logprob_memory.py",
+            "-m",
+            "benchmarks.experiments.bench_logprob_memory",
             "--tokens",
             "64",
             "256",
@@ -54,7 +55,8 @@ def test_bench_logprob_memory_agrees_with_naive():
 def test_bench_logprob_memory_skips_over_budget():
     out = run_benchmark(
         [
-            "benchmarks/bench_logprob_memory.py",
+            "-m",
+            "benchmarks.experiments.bench_logprob_memory",
             "--tokens",
             "64",
             "4096",
@@ -90,7 +92,7 @@ def test_heap_probe_sees_live_tensors_and_growing_types(tmp_path):
     out = tmp_path / "probe.jsonl"
     env = {**os.environ, **CPU_ENV, "HEAP_PROBE_OUT": str(out), "HEAP_PROBE_INTERVAL": "0.5"}
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "heap_probe.py"), str(script)],
+        [sys.executable, "-m", "benchmarks.experiments.heap_probe", str(script)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -110,7 +112,8 @@ def test_bench_trl_varlen_ours_packed_vs_fixed():
     the maximum), the same seeded samples in both variants, no padding packed, padding with fixed micro-batches."""
     out = run_benchmark(
         [
-            "benchmarks/bench_trl.py",
+            "-m",
+            "benchmarks.experiments.bench_trl",
             "--varlen",
             "--max-response-length",
             "64",

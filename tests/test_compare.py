@@ -41,7 +41,7 @@ def write_run(root, method, seed, entropy_end, steps=40, extra=None):
 
 def run_compare(*flags):
     return subprocess.run(
-        [sys.executable, "benchmarks/compare.py", *flags], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "benchmarks.compare", *flags], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
 
 
@@ -121,11 +121,11 @@ def test_reproduction_scripts_pass_valid_flags(script):
                 continue  # a method not in this checkout yet
             module = importlib.import_module(c[i][: -len(".py")])
             module.validate_args(tyro.cli(module.Args, args=c[i + 1 :]), world_size=world_size)
-        elif c[1] == "benchmarks/eval.py":
-            benchmarks.eval.validate_args(tyro.cli(benchmarks.eval.Args, args=c[2:]))
+        elif c[1:3] == ["-m", "benchmarks.eval"]:
+            benchmarks.eval.validate_args(tyro.cli(benchmarks.eval.Args, args=c[3:]))
         else:
-            assert c[1] == "benchmarks/compare.py", c
-            tyro.cli(benchmarks.compare.Args, args=c[2:])
+            assert c[1:3] == ["-m", "benchmarks.compare"], c
+            tyro.cli(benchmarks.compare.Args, args=c[3:])
 
 
 def test_the_cov_recipes_run_the_authors_experiment():
@@ -151,7 +151,7 @@ def test_the_cov_recipes_run_the_authors_experiment():
 
 def test_compare_without_runs_is_one_line(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "benchmarks/compare.py", "--runs", str(tmp_path / "*")],
+        [sys.executable, "-m", "benchmarks.compare", "--runs", str(tmp_path / "*")],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -279,7 +279,8 @@ def test_testbed_runs_any_method_file_with_its_flags():
         assert c[-4 - len(own) :] == [*own, "--exp-name", name, "--seed", "1"], c
         module = importlib.import_module(c[i][: -len(".py")])
         module.validate_args(tyro.cli(module.Args, args=c[i + 1 :]), world_size=1)
-    assert variant[variant.index("--nproc_per_node") + 4] == "grpo_entadv.py" and compare[1] == "benchmarks/compare.py"
+    assert variant[variant.index("--nproc_per_node") + 4] == "grpo_entadv.py"
+    assert compare[1:3] == ["-m", "benchmarks.compare"]
     proc = subprocess.run(["bash", script], env={**env, "METHODS": "grpo_nothing"}, capture_output=True, text=True)
     assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
         'unknown method grpo_nothing: no grpo_nothing.py (a variant: METHOD_FLAGS_grpo_nothing="<script> <flags>")'

@@ -144,7 +144,7 @@ def test_collect_for_gives_the_same_mini_batches_on_any_world_size(testbed):
     """utils.rollouts.collect_for, the path training takes (a stand-in sampler that writes its seed and a boxed answer;
     real tokenizer and math-verify): mini-batch m on one rank is the union of the two ranks' slices of it, prompts,
     seeded samples and rewards alike; the stream is a permutation per epoch (30 prompts all seen once in the first 30
-    positions) in the order step_prompt_indices states (benchmarks/bench_trl.py hands TRL that order)."""
+    positions) in the order step_prompt_indices states (benchmarks/experiments/bench_trl.py hands TRL that order)."""
     tok = load_tokenizer(testbed.model_dir)
     args = gv.Args(num_prompts_per_step=8, num_mini_batches=2, group_size=2, seed=3)
     data = [([100 + i], str(i)) for i in range(30)]  # the prompt's one token id names its dataset index

@@ -178,8 +178,8 @@ def test_no_file_points_outside_the_repository():
 
 
 # the local names inside the references' own loss functions (verl, TRL, the CE-GPPO, Lp-Reg and Cov authors' code):
-# code of ours has no reason to use them, a transcription keeps them. benchmarks/reference_losses.py runs those
-# functions from their files at run time and needs none of these names.
+# code of ours has no reason to use them, a transcription keeps them. benchmarks/experiments/reference_losses.py runs
+# those functions from their files at run time and needs none of these names.
 REFERENCE_LOCALS = (
     "clip_pg_losses1 clip_pg_losses2 ratio_detached pg_losses3 pg_clipfrac_lower_mask neg_logp_k all_valid_flat_idx "
     "neg_indices neg_logp_indices target_flat_idx target_kl probability_values max_probabilities invalid_mask "

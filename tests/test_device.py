@@ -119,8 +119,9 @@ def test_the_step_keeps_every_tensor_on_its_device(testbed, tmp_path, name):
 
 
 def test_the_gpu_benchmark_keeps_every_tensor_on_its_device(tmp_path):
-    """benchmarks/bench_gpu.py (gpu_smoke's `bench`, on the first GPU lease) starts through init_distributed too."""
-    argv = [REHEARSAL, os.path.join(ROOT, "benchmarks", "bench_gpu.py"), "--tiny"]
+    """benchmarks/experiments/bench_gpu.py (gpu_smoke's `bench`, on the first GPU lease) starts through init_distributed
+    too."""
+    argv = [REHEARSAL, os.path.join(ROOT, "benchmarks", "experiments", "bench_gpu.py"), "--tiny"]
     env = {**os.environ, **CPU_ENV, "MASTER_PORT": str(free_port()), "WANDB_DIR": str(tmp_path)}
     proc = run_python(argv, env, 0, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -29,7 +29,7 @@ LENGTHS = ["--max-prompt-length", "464", "--max-response-length", "48"]
 
 
 def run_eval(flags, timeout=240, check=True):
-    proc = run_python(["benchmarks/eval.py", *flags], {**os.environ, **ENV}, timeout=timeout)
+    proc = run_python(["-m", "benchmarks.eval", *flags], {**os.environ, **ENV}, timeout=timeout)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

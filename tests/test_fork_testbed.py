@@ -130,8 +130,8 @@ def test_make_testbed_fork_runs_the_fork_testbed_with_the_first_ones_settings():
 
 
 def test_fork_branches_measures_every_runs_final_model(tmp_path):
-    """benchmarks/fork_branches.py on two runs (the base model as their final/): a row per configuration with the
-    opening letter, the procedure and the minority pass@k, the initial policy's row, and a difference row; the
+    """benchmarks/experiments/fork_branches.py on two runs (the base model as their final/): a row per configuration
+    with the opening letter, the procedure and the minority pass@k, the initial policy's row, and a difference row; the
     procedure share of the base policy is about its rare branch's (0.3), the letter's too."""
     from launch import CPU_ENV, run_python
 
@@ -141,7 +141,7 @@ def test_fork_branches_measures_every_runs_final_model(tmp_path):
         (run / "final").symlink_to(os.path.join(fork.SHIPPED_DIR, "model"))
         (run / "args.json").write_text(json.dumps({"exp_name": name, "seed": seed}))
     out = tmp_path / "branches.md"
-    argv = ["benchmarks/fork_branches.py", "--runs", str(tmp_path / "runs" / "*"), "--output", str(out)]
+    argv = ["-m", "benchmarks.experiments.fork_branches", "--runs", str(tmp_path / "runs" / "*"), "--output", str(out)]
     proc = run_python([*argv, "--problems", "8", "--samples", "4"], {**os.environ, **CPU_ENV})
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = out.read_text()

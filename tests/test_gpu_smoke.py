@@ -57,7 +57,7 @@ def hiding(tmp_path, module: str) -> dict:
 def smoke(tmp_path, env, *flags):
     """Run gpu_smoke.py --cpu: (stdout lines, {check: status}), after checking one line per check and the --out file."""
     out = tmp_path / "smoke.txt"
-    cmd = [sys.executable, "benchmarks/gpu_smoke.py", "--cpu", "--out", str(out), "--work-dir", str(tmp_path / "w")]
+    cmd = [sys.executable, "-m", "benchmarks.gpu_smoke", "--cpu", "--out", str(out), "--work-dir", str(tmp_path / "w")]
     proc = subprocess.run([*cmd, *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     lines = proc.stdout.splitlines()
     checks = [line for line in lines if line.startswith(("PASS ", "FAIL ", "SKIP "))]
@@ -115,7 +115,7 @@ def test_with_vllm_the_cpu_runnable_vllm_checks_pass(tmp_path):
 
 
 def test_a_missing_package_is_one_error_line_and_the_budget_skips_what_it_cannot_start(tmp_path):
-    cmd = [sys.executable, "benchmarks/gpu_smoke.py", "--cpu", "--out", str(tmp_path / "s.txt")]
+    cmd = [sys.executable, "-m", "benchmarks.gpu_smoke", "--cpu", "--out", str(tmp_path / "s.txt")]
     proc = subprocess.run(cmd, cwd=ROOT, env=hiding(tmp_path, "deepspeed"), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout.splitlines() == [
         "error: not installed: deepspeed (deepspeed, tyro, datasets, math_verify: benchmarks/gpu_wheelhouse.sh) "
@@ -171,7 +171,7 @@ def test_rollout_ranks_runs_only_with_two_gpus():
 
 
 def test_calibration_runs():
-    cmd = [sys.executable, "benchmarks/gpu_smoke.py", "--calibrate", "--cpu"]
+    cmd = [sys.executable, "-m", "benchmarks.gpu_smoke", "--calibrate", "--cpu"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **CPU_ENV}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("calibration (LONG's CPU dims on cpu, 264 tokens")]

@@ -1,7 +1,7 @@
 """The log-prob forward keeps one hidden state: utils.logprobs.response_logprobs asks the model for the final (normed)
 hidden states only, not every layer's (which a no-grad pass kept alive to the end of the forward: 6.7 GB at 32B x 10k
 tokens), with the values and gradients of the pass that took them from every layer's. Measured sizes:
-benchmarks/bench_hidden_states_memory.py, benchmarks/results/logprob_hidden_states_memory.md."""
+benchmarks/experiments/bench_hidden_states_memory.py, benchmarks/results/logprob_hidden_states_memory.md."""
 
 import torch
 from transformers import AutoModelForCausalLM

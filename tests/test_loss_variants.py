@@ -2,7 +2,7 @@
 2507.18071) and W-REINFORCE (grpo_wreinforce.py, arXiv 2506.01347). Each paper's equation stated per token (or
 sequence) in our words, in float64, with its gradient derived by hand on every branch; then the real scripts end to
 end: SAPO and GSPO on policy are vanilla step for step, W-REINFORCE trains on its fixed weights. The references' own
-code (verl 0.9.1, TRL 1.16) is run against ours by benchmarks/reference_losses.py."""
+code (verl 0.9.1, TRL 1.16) is run against ours by benchmarks/experiments/reference_losses.py."""
 
 import math
 

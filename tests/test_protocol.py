@@ -162,7 +162,7 @@ def test_settings_reach_the_commands():
         assert c[c.index("--eval-dataset") + 1 : c.index("--eval-dataset") + 3] == ["a.jsonl", "b.jsonl"]
     assert vanilla[-7:-3] == ["--clip-eps-high", "0.28", "--seed", "1"] and "--clip-eps-low" not in vanilla
     assert entadv[-6:-3] == ["0.55", "--seed", "1"]  # COMMON's last value, then no flags of its own
-    assert evaluate[:2] == ["python", "benchmarks/eval.py"] and evaluate[-1] == "--no-use-vllm"
+    assert evaluate[:3] == ["python", "-m", "benchmarks.eval"] and evaluate[-1] == "--no-use-vllm"
     assert evaluate[evaluate.index("--datasets") + 1] == evaluate[evaluate.index("--protocol-dataset") + 1] == "c.jsonl"
 
 

@@ -3,9 +3,9 @@ here per token (value and gradient with respect to the log-prob, derived by hand
 each side of the clip, the dual clip on and off, ratios exactly on a bound, log-ratios beyond +-20, ties in the
 selection; then the real scripts on the CPU testbed.
 
-No reference code is copied here: benchmarks/reference_losses.py runs the references' own code (verl 0.9.1 and TRL
-1.16.0 installed, the CE-GPPO and Lp-Reg authors' functions read from their files at run time) on the same cases (its
-case builders serve both) and compares; its result: benchmarks/results/reference_losses.txt."""
+No reference code is copied here: benchmarks/experiments/reference_losses.py runs the references' own code (verl 0.9.1
+and TRL 1.16.0 installed, the CE-GPPO and Lp-Reg authors' functions read from their files at run time) on the same cases
+(its case builders serve both) and compares; its result: benchmarks/results/reference_losses.txt."""
 
 import importlib
 import math
@@ -21,14 +21,14 @@ import grpo_cegppo as ce
 import grpo_cispo as ci
 import grpo_lpreg as lp
 import grpo_vanilla as gv
-from benchmarks import reference_losses
+from benchmarks.experiments import reference_losses
 
 
 def micro_batch(seed: int, **shape):
-    """benchmarks/reference_losses.py's cases: right-padded [B, T] current and old log-probs, advantages (both signs and
-    0, per sequence) and the mask; log-ratios over [-3, 3], one per row beyond the dual clip c, in rows 0-3 ratios
-    exactly on both bounds (float32: 1 - 0.2 is 0.800000011920929); with `far`, log-ratios of +-25 in rows 0, 1, 5, 6
-    (A > 0 and A < 0 each): beyond the +-20 clamp of our ratios."""
+    """benchmarks/experiments/reference_losses.py's cases: right-padded [B, T] current and old log-probs, advantages
+    (both signs and 0, per sequence) and the mask; log-ratios over [-3, 3], one per row beyond the dual clip c, in rows
+    0-3 ratios exactly on both bounds (float32: 1 - 0.2 is 0.800000011920929); with `far`, log-ratios of +-25 in rows
+    0, 1, 5, 6 (A > 0 and A < 0 each): beyond the +-20 clamp of our ratios."""
     far = shape.pop("far", False)
     c = reference_losses.micro_batch(seed, **shape)
     if far:

@@ -1,6 +1,7 @@
 """utils/vllm_engine.py: the start-up memory check counts what vLLM allocates before its own; import_vllm collects the
 heap before freezing it; a rollout rank's engine starts without sleep mode; the weight push goes a group of parameters
-at a time and leaves the engine's weights equal to the policy's (benchmarks/bench_push_weights.py on 2 real ranks)."""
+at a time and leaves the engine's weights equal to the policy's (benchmarks/experiments/bench_push_weights.py on 2 real
+ranks)."""
 
 import gc
 import os
@@ -10,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from launch import ROOT, free_port, run_python
+from launch import free_port, run_python
 
 from testbed.common import CPU_ENV
 from utils import vllm_engine
@@ -95,7 +96,7 @@ def test_the_grouped_push_leaves_the_engine_with_the_policys_weights(testbed, st
     """2 ranks, the real DeepSpeed and vLLM-CPU engines: after every push (grouped, and per parameter as before) the
     engine's weights equal the policy's bit for bit, fused q/k/v and gate/up included; the comparison does see the
     engine's weights before a push differ."""
-    cmd = [os.path.join(ROOT, "benchmarks", "bench_push_weights.py"), "--model", testbed.model_dir]
+    cmd = ["-m", "benchmarks.experiments.bench_push_weights", "--model", testbed.model_dir]
     cmd += ["--zero-stage", str(stage), "--repeats", "1"]
     proc = run_python(cmd, {**os.environ, **CPU_ENV, "MASTER_PORT": str(free_port())}, nproc=2, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -190,7 +190,7 @@ def test_settings_block_states_commits_seeds_and_settings():
 def test_dry_run_prints_the_structure_offline():
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     proc = subprocess.run(
-        [sys.executable, "benchmarks/wandb_report.py", "--entity", "team", "--tags", "paper-v1", "--dry-run"],
+        [sys.executable, "-m", "benchmarks.wandb_report", "--entity", "team", "--tags", "paper-v1", "--dry-run"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -204,7 +204,7 @@ def test_dry_run_prints_the_structure_offline():
     assert "LinePlot entropy/full vs Step: mean over the group, band minmax" in out
     assert out.strip().endswith("dry run: nothing saved")
     proc = subprocess.run(
-        [sys.executable, "benchmarks/wandb_report.py", "--dry-run"],
+        [sys.executable, "-m", "benchmarks.wandb_report", "--dry-run"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -272,7 +272,8 @@ def test_compare_reads_no_wandb_run_twice_and_fails_in_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     command = [
         sys.executable,
-        "benchmarks/compare.py",
+        "-m",
+        "benchmarks.compare",
         "--runs",
         str(run),
         "--output-dir",

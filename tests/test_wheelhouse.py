@@ -18,7 +18,8 @@ from packaging.requirements import Requirement
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_wheelhouse.sh")
 # what the smoke test runs without vLLM: the scripts, utils/, itself and the files it launches
 PATH_FILES = ["grpo_*.py", "utils/*.py", "tests/inject.py"]
-PATH_FILES += [f"benchmarks/{name}.py" for name in ("gpu_smoke", "bench_gpu", "bench_logprob_memory", "eval")]
+PATH_FILES += ["benchmarks/gpu_smoke.py", "benchmarks/eval.py"]
+PATH_FILES += [f"benchmarks/experiments/{name}.py" for name in ("bench_gpu", "bench_logprob_memory")]
 OFF_PATH = {"vllm": "the vLLM checks and --use-vllm", "wandb": "--track"}  # imported only where these are asked for
 TARGET = {**default_environment(), "python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux"}
 TARGET |= {"platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython"}

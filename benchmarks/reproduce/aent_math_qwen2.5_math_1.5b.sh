@@ -60,8 +60,8 @@ done
 finals=("$OUT"/*/final)
 [ -e "${finals[0]}" ] || finals=("$OUT/<run_name>/final")  # (dry run before training)
 for final in "${finals[@]}"; do
-  run python benchmarks/eval.py --model-name-or-path "$final" --output-dir "${final%/final}/eval" \
+  run python -m benchmarks.eval --model-name-or-path "$final" --output-dir "${final%/final}/eval" \
     --datasets math500 aime24 amc23 minerva_math olympiadbench gsm8k \
     --n 4 --temperature 0.6 --top-p 0.95 --top-k 20 --max-prompt-length 1024 --max-response-length 3072
 done
-run python benchmarks/compare.py --runs "$OUT/*" --output-dir "$OUT/compare" --baseline grpo_vanilla
+run python -m benchmarks.compare --runs "$OUT/*" --output-dir "$OUT/compare" --baseline grpo_vanilla

@@ -77,7 +77,7 @@ finals=("$OUT"/*/final)
 [ -e "${finals[0]}" ] || finals=("$OUT/<run_name>/final")  # (dry run before training)
 length=$([ "$SIZE" = 7b ] && echo 32768 || echo 16384)
 for final in "${finals[@]}"; do
-  run python benchmarks/eval.py --model-name-or-path "$final" --output-dir "${final%/final}/eval" --datasets aime24 \
+  run python -m benchmarks.eval --model-name-or-path "$final" --output-dir "${final%/final}/eval" --datasets aime24 \
     --n 32 --temperature 0.6 --top-p 0.95 --max-prompt-length 4096 --max-response-length "$length"
 done
-run python benchmarks/compare.py --runs "$OUT/*" --output-dir "$OUT/compare" --baseline grpo_vanilla
+run python -m benchmarks.compare --runs "$OUT/*" --output-dir "$OUT/compare" --baseline grpo_vanilla

@@ -27,7 +27,7 @@ run() {  # run a command, or only print it with DRY_RUN=1
   if [ -n "${DRY_RUN:-}" ]; then printf '%q ' "$@"; echo; else "$@"; fi
 }
 
-[ -e "$DATASET" ] || [ -n "${DRY_RUN:-}" ] || python benchmarks/reproduce/dapo_boxed.py --output "$DATASET"
+[ -e "$DATASET" ] || [ -n "${DRY_RUN:-}" ] || python -m benchmarks.reproduce.dapo_boxed --output "$DATASET"
 
 # shared by every configuration: the 7B settings (cov_qwen2.5_7b.sh) plus what 32B needs to fit 80 GB GPUs: one vLLM
 # engine per 2 GPUs (TP 2: 33 GB of bf16 weights per GPU), ZeRO-3 (16 bytes per parameter / 32 ranks = 16 GB per GPU),
@@ -72,8 +72,8 @@ done
 finals=("$OUT"/*/final)
 [ -e "${finals[0]}" ] || finals=("$OUT/<run_name>/final")  # (dry run before training)
 for final in "${finals[@]}"; do
-  run python benchmarks/eval.py --model-name-or-path "$final" --output-dir "${final%/final}/eval" \
+  run python -m benchmarks.eval --model-name-or-path "$final" --output-dir "${final%/final}/eval" \
     --datasets math500 aime24 amc23 minerva_math olympiadbench gsm8k --tensor-parallel-size 2 \
     --n 4 --temperature 0.6 --top-p 0.95 --top-k 20 --max-prompt-length 2048 --max-response-length 8192
 done
-run python benchmarks/compare.py --runs "$OUT/*" --output-dir "$OUT/compare" --baseline grpo_vanilla
+run python -m benchmarks.compare --runs "$OUT/*" --output-dir "$OUT/compare" --baseline grpo_vanilla

@@ -25,7 +25,7 @@ run() {  # run a command, or only print it with DRY_RUN=1
   if [ -n "${DRY_RUN:-}" ]; then printf '%q ' "$@"; echo; else "$@"; fi
 }
 
-[ -e "$DATASET" ] || [ -n "${DRY_RUN:-}" ] || python benchmarks/reproduce/dapo_boxed.py --output "$DATASET"
+[ -e "$DATASET" ] || [ -n "${DRY_RUN:-}" ] || python -m benchmarks.reproduce.dapo_boxed --output "$DATASET"
 
 # shared by every configuration, as their scripts: 8 optimizer mini-batches per rollout batch (ppo_mini_batch_size 32
 # of 256; KL-Cov acts from the second on: on the first its penalty is exactly 0, measured on the CPU testbed; theirs
@@ -73,8 +73,8 @@ done
 finals=("$OUT"/*/final)
 [ -e "${finals[0]}" ] || finals=("$OUT/<run_name>/final")  # (dry run before training)
 for final in "${finals[@]}"; do
-  run python benchmarks/eval.py --model-name-or-path "$final" --output-dir "${final%/final}/eval" \
+  run python -m benchmarks.eval --model-name-or-path "$final" --output-dir "${final%/final}/eval" \
     --datasets math500 aime24 amc23 minerva_math olympiadbench gsm8k \
     --n 4 --temperature 0.6 --top-p 0.95 --top-k 20 --max-prompt-length 2048 --max-response-length 8192
 done
-run python benchmarks/compare.py --runs "$OUT/*" --output-dir "$OUT/compare" --baseline grpo_vanilla
+run python -m benchmarks.compare --runs "$OUT/*" --output-dir "$OUT/compare" --baseline grpo_vanilla

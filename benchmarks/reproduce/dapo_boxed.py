@@ -5,7 +5,7 @@ The Cov authors (PRIME-RL/Entropy-Mechanism-of-RL, README) trained on DAPO-Math 
 instruction (the last line "Answer: ...") contradicts ours (utils.data.INSTRUCTION: \\boxed{}). This keeps the problem
 text between DAPO's opening instruction and its closing reminder, so that ours is the only one:
 
-    python benchmarks/reproduce/dapo_boxed.py --output runs/data/dapo_math_17k_boxed.jsonl
+    python -m benchmarks.reproduce.dapo_boxed --output runs/data/dapo_math_17k_boxed.jsonl
 """
 
 import argparse

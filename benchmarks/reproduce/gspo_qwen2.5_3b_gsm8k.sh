@@ -53,4 +53,4 @@ for method in $METHODS; do
       --seed "$seed"
   done
 done
-run python benchmarks/compare.py --runs "$OUT/*" --output-dir "$OUT/compare" --baseline grpo_vanilla
+run python -m benchmarks.compare --runs "$OUT/*" --output-dir "$OUT/compare" --baseline grpo_vanilla

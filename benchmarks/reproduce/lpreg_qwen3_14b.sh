@@ -29,7 +29,7 @@ run() {  # run a command, or only print it with DRY_RUN=1
   if [ -n "${DRY_RUN:-}" ]; then printf '%q ' "$@"; echo; else "$@"; fi
 }
 
-[ -e "$DATASET" ] || [ -n "${DRY_RUN:-}" ] || python benchmarks/reproduce/dapo_boxed.py --output "$DATASET"
+[ -e "$DATASET" ] || [ -n "${DRY_RUN:-}" ] || python -m benchmarks.reproduce.dapo_boxed --output "$DATASET"
 
 # shared, as their script: no dynamic sampling, no overlong shaping, no KL, no entropy bonus, token-mean (theirs: per
 # micro-batch of a 30,720-token budget, times its share: neither a token nor a sequence mean; no flag of ours), lr 1e-6
@@ -69,8 +69,8 @@ done
 finals=("$OUT"/*/final)
 [ -e "${finals[0]}" ] || finals=("$OUT/<run_name>/final")  # (dry run before training)
 for final in "${finals[@]}"; do  # their validation sampling for AMC/AIME (T 0.6), on every vendored set
-  run python benchmarks/eval.py --model-name-or-path "$final" --output-dir "${final%/final}/eval" \
+  run python -m benchmarks.eval --model-name-or-path "$final" --output-dir "${final%/final}/eval" \
     --datasets math500 aime24 amc23 minerva_math olympiadbench gsm8k \
     --n 4 --temperature 0.6 --top-p 1.0 --max-prompt-length 2048 --max-response-length 8192
 done
-run python benchmarks/compare.py --runs "$OUT/*" --output-dir "$OUT/compare" --baseline grpo_vanilla
+run python -m benchmarks.compare --runs "$OUT/*" --output-dir "$OUT/compare" --baseline grpo_vanilla

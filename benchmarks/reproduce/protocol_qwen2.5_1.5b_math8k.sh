@@ -220,7 +220,7 @@ for dir in "${runs[@]}"; do
       export_hf "$checkpoint" "$dir/best"
     fi
   fi
-  run python benchmarks/eval.py --model-name-or-path "$dir/best" --output-dir "$dir/best/eval" \
+  run python -m benchmarks.eval --model-name-or-path "$dir/best" --output-dir "$dir/best/eval" \
     --datasets "$TEST" --protocol-dataset "$TEST" --export-protocol "${logits[@]}" "${DECODING[@]}" \
     --max-prompt-length 1024 --max-response-length 3072 "${EVAL_EXTRA[@]}"
 done

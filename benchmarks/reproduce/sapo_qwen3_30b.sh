@@ -23,7 +23,7 @@ run() {  # run a command, or only print it with DRY_RUN=1
   if [ -n "${DRY_RUN:-}" ]; then printf '%q ' "$@"; echo; else "$@"; fi
 }
 
-[ -e "$DATASET" ] || [ -n "${DRY_RUN:-}" ] || python benchmarks/reproduce/dapo_boxed.py --output "$DATASET"
+[ -e "$DATASET" ] || [ -n "${DRY_RUN:-}" ] || python -m benchmarks.reproduce.dapo_boxed --output "$DATASET"
 
 # shared, as their script and verl's defaults: lr 1e-6 constant, AdamW weight decay 0.01, grad clip 1, T 1, no KL
 # (use_kl_loss and use_kl_in_reward off), no entropy bonus, no dynamic sampling, verl's default token-mean for GRPO
@@ -55,4 +55,4 @@ for method in $METHODS; do
       --seed "$seed"
   done
 done
-run python benchmarks/compare.py --runs "$OUT/*" --output-dir "$OUT/compare" --baseline grpo_vanilla
+run python -m benchmarks.compare --runs "$OUT/*" --output-dir "$OUT/compare" --baseline grpo_vanilla

@@ -203,5 +203,5 @@ if [ -z "${DRY_RUN:-}" ]; then
   fi
 fi
 
-cmd=("$PY" benchmarks/compare.py --runs "$OUT/*" --output-dir "$RESULTS" --baseline grpo_vanilla --smooth 10)
+cmd=("$PY" -m benchmarks.compare --runs "$OUT/*" --output-dir "$RESULTS" --baseline grpo_vanilla --smooth 10)
 if [ -n "${DRY_RUN:-}" ]; then printf '%q ' "${cmd[@]}"; echo; else "${cmd[@]}"; echo "total: $SECONDS s"; fi

@@ -8,8 +8,8 @@ start-up cost (its first call: python + math-verify import per worker, in parall
 through one grading thread (grade() outside the main thread uses the same subprocess), since grade_all(..., 1)
 grades serially by design. --hogs N runs N busy-loop processes throughout, to show that verdicts do not depend on load.
 
-    python benchmarks/bench_grading.py --out benchmarks/results/bench_grading.txt   # 1 and 2 workers, 128 responses
-    python benchmarks/bench_grading.py --workers 4 8 --batch 256 --repeats 1 --hogs 8
+    python -m benchmarks.experiments.bench_grading --out benchmarks/results/bench_grading.txt  # 1 and 2 workers, 128
+    python -m benchmarks.experiments.bench_grading --workers 4 8 --batch 256 --repeats 1 --hogs 8
 """
 
 import argparse
@@ -22,10 +22,10 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from utils.data import load_problems  # noqa: E402
-from utils.reward import grade, grade_all  # noqa: E402
+from utils.data import load_problems
+from utils.reward import grade, grade_all
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DATA = os.path.join(ROOT, "benchmarks", "data", "math500.jsonl")
 
@@ -117,7 +117,7 @@ def main():
     report = "\n".join(lines)
     print(report)
     if args.out:
-        command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT), *sys.argv[1:]])
+        command = "python " + shlex.join(["-m", "benchmarks.experiments.bench_grading", *sys.argv[1:]])
         with open(args.out, "a") as f:
             f.write(f"$ {command}\n{report}\n\n")
 

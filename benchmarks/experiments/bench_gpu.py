@@ -2,8 +2,8 @@
 no download), through the scripts' own functions (utils.models.make_policy, utils.logprobs.response_logprobs,
 ppo_clip_loss, start_engine, push_weights). Meant to finish in under 5 minutes on one H200 (not yet run on one).
 
-    python benchmarks/bench_gpu.py                  # one GPU: single process, DeepSpeed ZeRO-2 bf16 on NCCL
-    python benchmarks/bench_gpu.py --tiny           # the same code path on CPU in seconds (fp32, gloo; used by a test)
+    python -m benchmarks.experiments.bench_gpu         # one GPU: single process, DeepSpeed ZeRO-2 bf16 on NCCL
+    python -m benchmarks.experiments.bench_gpu --tiny  # the same code path on CPU in seconds (fp32, gloo; a test's)
 
 Measures, each printed as a row of one markdown table:
 1. training: the scripts' DeepSpeed engine (utils.models.make_policy: ZeRO-2, bf16 weights on GPU and fp32 on CPU,
@@ -33,15 +33,10 @@ Measures, each printed as a row of one markdown table:
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 QWEN25_15B = dict(
     hidden_size=1536,
@@ -128,9 +123,8 @@ def main():
         a.gen_seqs, a.gen_prompt_len, a.gen_tokens, a.hf_gen_tokens, a.repeats = 4, 8, 8, 8, 1
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))  # the rest: a world of one process
 
-    from bench_logprob_memory import measure as logprob_pass
-
     import grpo_vanilla as gv
+    from benchmarks.experiments.bench_logprob_memory import measure as logprob_pass
     from utils import batching, distributed, logprobs, models, vllm_engine
 
     _, _, _, device, on_gpu = distributed.init_distributed()

@@ -1,8 +1,9 @@
 """Ours (grpo_vanilla.py) against TRL's GRPOTrainer doing the same work on a CPU: s/step, real tokens/s, padding, RSS.
 
-    python benchmarks/bench_trl.py                              # 3.36M random Qwen2, 2 prompts x 8 x 32 tokens
-    python benchmarks/bench_trl.py --steps 30 --repeats 3 --variants ours-hf trl-hf trl-hf-zero2 ours-vllm trl-vllm
-    python benchmarks/bench_trl.py --varlen --max-response-length 256 --steps 10 --warmup 2  # responses of ~64 tokens
+    python -m benchmarks.experiments.bench_trl                  # 3.36M random Qwen2, 2 prompts x 8 x 32 tokens
+    python -m benchmarks.experiments.bench_trl --steps 30 --repeats 3 \
+        --variants ours-hf trl-hf trl-hf-zero2 ours-vllm trl-vllm
+    python -m benchmarks.experiments.bench_trl --varlen --max-response-length 256 --steps 10 --warmup 2  # ~64 tokens
 
 Same work on both sides: the same model (a random-weights Qwen2 on the testbed tokenizer, see perf_common.random_qwen2;
 random weights never stop early, so every completion is exactly --max-response-length tokens), the same prompts at
@@ -55,8 +56,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from perf_common import (  # noqa: E402
+from benchmarks.experiments.perf_common import (
     ROOT,
     free_port,
     length_stats,
@@ -212,7 +212,8 @@ def command(a, variant: str, out: str) -> list:
     if variant.startswith("trl"):
         return [
             py,
-            os.path.abspath(__file__),
+            "-m",
+            "benchmarks.experiments.bench_trl",
             "--child",
             "--vllm" if variant == "trl-vllm" else "--no-vllm",
             *(["--zero2"] if variant == "trl-hf-zero2" else []),

@@ -3,8 +3,8 @@
 nothing here has run on a GPU, and bench_gpu.py (the measured phase times it should be checked against) has not run
 on one either. Every input is stated below; change them and rerun.
 
-    python benchmarks/rollout_model.py                  # H200s (benchmarks/results/rollout_model.md)
-    python benchmarks/rollout_model.py --gpu h100
+    python -m benchmarks.experiments.rollout_model      # H200s (benchmarks/results/rollout_model.md)
+    python -m benchmarks.experiments.rollout_model --gpu h100
 
 Per step: 128 prompts x 8 samples (the scripts' defaults), prompts of 256 tokens, response lengths geometric with mean
 a third of the maximum and capped at it (~5% reach it; the long tail of reasoning rollouts).

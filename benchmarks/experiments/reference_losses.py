@@ -22,11 +22,11 @@ spg N_step / (ga N_gen)); the per-token weights of an optimizer step under verl 
 modes) and CE-GPPO's fork (printed) on mini-batches laid out as its 1.5B script lays them.
 Setup and result: benchmarks/results/reference_losses.txt.
 
-    python benchmarks/reference_losses.py write /tmp/ref.pt --cegppo-core-algos cegppo_core_algos.py \
+    python -m benchmarks.experiments.reference_losses write /tmp/ref.pt --cegppo-core-algos cegppo_core_algos.py \
         --lpreg-core-algos lpreg_core_algos.py --lpreg-dp-actor lpreg_dp_actor.py --torch-functional lpreg_tf.py \
         --cegppo-seqlen-balancing cegppo_seqlen_balancing.py --wr-core-algos wr_core_algos.py \
         --wr-torch-functional wr_torch_functional.py
-    python benchmarks/reference_losses.py check /tmp/ref.pt
+    python -m benchmarks.experiments.reference_losses check /tmp/ref.pt
 """
 
 import argparse
@@ -50,7 +50,6 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CISPO_CLIPS = [(10.0, 0.2), (0.2, 0.28), (1.0, 4.0)]  # verl's example (no lower bound), DAPO's, bounds [0, 5]
 TRL_CAPS = [5.0, 1.2, 0.2]  # ScaleRL's 5; 0.2: TRL's epsilon_high left unset (falls back to epsilon)
 BETAS = [(0.5, 1.0), (0.75, 1.0), (0.25, 0.6), (1.0, 1.0), (0.0, 0.0)]  # the 1.5B and 7B scripts', their default
@@ -515,7 +514,6 @@ LOSS_AGG = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 def check(a) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    sys.path.insert(0, ROOT)
     import grpo_cegppo as ce
     import grpo_cispo as ci
     import grpo_gspo as gs

@@ -3,8 +3,8 @@ evaluation entropies call it) with the forward asked for the last decoder layer'
 the same pass asked for every layer's (output_hidden_states=True, the code before this benchmark was written), on a
 Qwen2 model built locally with random weights (no download).
 
-    python benchmarks/bench_hidden_states_memory.py                     # CPU: ~215M parameters, 2k-8k tokens
-    python benchmarks/bench_hidden_states_memory.py --layers 2 --hidden 256 --tokens 512   # seconds
+    python -m benchmarks.experiments.bench_hidden_states_memory         # CPU: ~215M parameters, 2k-8k tokens
+    python -m benchmarks.experiments.bench_hidden_states_memory --layers 2 --hidden 256 --tokens 512  # seconds
 
 Memory: every case runs alone in a fresh subprocess, which builds the model, resets its peak resident size (Linux
 /proc/self/clear_refs) just before the pass and reads VmHWM after it: the extra peak is what the pass allocates on top
@@ -15,17 +15,13 @@ the states kept alive to the end of the forward.
 
 import argparse
 import json
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from perf_common import case_in_child, extra_peak_bytes  # noqa: E402
-
-from utils import batching  # noqa: E402
-from utils.logprobs import response_logprobs  # noqa: E402
+from benchmarks.experiments.perf_common import case_in_child, extra_peak_bytes
+from utils import batching
+from utils.logprobs import response_logprobs
 
 
 def build_model(a):

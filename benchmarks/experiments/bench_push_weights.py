@@ -2,9 +2,9 @@
 step), a group of parameters per gather and load_weights call (push_groups), against one call per parameter (the
 code before), on the real DeepSpeed engine and vLLM-CPU engine, 2 ranks, ZeRO-2 and ZeRO-3:
 
-    torchrun --nproc_per_node 2 benchmarks/bench_push_weights.py --model testbed/model --zero-stage 3
-    torchrun --nproc_per_node 2 benchmarks/bench_push_weights.py --layers 24 --zero-stage 2   # a bigger model
-    bash benchmarks/bench_push_weights.sh                      # both models, both stages (results/push_weights.md)
+    torchrun --nproc_per_node 2 -m benchmarks.experiments.bench_push_weights --model testbed/model --zero-stage 3
+    torchrun --nproc_per_node 2 -m benchmarks.experiments.bench_push_weights --layers 24 --zero-stage 2  # bigger model
+    bash benchmarks/experiments/bench_push_weights.sh    # both models, both stages (results/push_weights.md)
 
 With --layers a Qwen2 model is built locally with random weights (hidden --hidden, vocabulary 32,000, a word-level
 tokenizer: bench_gpu.build_model_dir) into a temporary directory. Every push is timed on every rank (the slowest rank's
@@ -16,24 +16,20 @@ weights before a push (a run that finds a difference, or no stale weights, exits
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 
+import deepspeed
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import deepspeed  # noqa: E402
-from bench_gpu import build_model_dir  # noqa: E402
-
-from grpo_vanilla import Args  # noqa: E402
-from utils import distributed, models  # noqa: E402
-from utils.vllm_engine import close_engine, push_groups, push_weights, start_engine  # noqa: E402
+from benchmarks.experiments.bench_gpu import build_model_dir
+from grpo_vanilla import Args
+from utils import distributed, models
+from utils.vllm_engine import close_engine, push_groups, push_weights, start_engine
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 

@@ -2,9 +2,9 @@
 backward: ours (utils.logprobs.chunked_logprobs_entropy, the head run --chunk-size tokens at a time and recomputed in
 the backward) against the naive pass (full [tokens, vocab] float32 logits, log_softmax, entropy from them).
 
-    python benchmarks/bench_logprob_memory.py                                  # CPU: 1k, 4k, 16k tokens, --max-gb 7
-    python benchmarks/bench_logprob_memory.py --tokens 64 256 --hidden 64 --vocab 4096 --in-process   # seconds
-    python benchmarks/bench_logprob_memory.py --tokens 4096 16384 65536 --device cuda --max-gb 60
+    python -m benchmarks.experiments.bench_logprob_memory                      # CPU: 1k, 4k, 16k tokens, --max-gb 7
+    python -m benchmarks.experiments.bench_logprob_memory --tokens 64 256 --hidden 64 --vocab 4096 --in-process  # fast
+    python -m benchmarks.experiments.bench_logprob_memory --tokens 4096 16384 65536 --device cuda --max-gb 60
 
 Both compute the log-prob of each target token and the full-vocabulary entropy at temperature 1 from final hidden
 states [N, H] and the head weight [V, H]; the loss sum(u * logp) + sum(w * entropy) (random u, w) is back-propagated
@@ -20,7 +20,6 @@ compared at the smallest size.
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -28,10 +27,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from perf_common import case_in_child, extra_peak_bytes  # noqa: E402
-
-from utils.logprobs import chunked_logprobs_entropy  # noqa: E402
+from benchmarks.experiments.perf_common import case_in_child, extra_peak_bytes
+from utils.logprobs import chunked_logprobs_entropy
 
 
 def naive_logprobs_entropy(hidden, head, targets):

@@ -9,8 +9,8 @@ Samples are mapped
 to training steps by counting the lines of the run's metrics.jsonl. This script is a child subreaper, so a descendant
 orphaned mid-run stays counted, and one still alive after the launcher exits is reported as leaked.
 
-    python benchmarks/soak.py --steps 300                           # grpo_vanilla.py, 1 process, vLLM on
-    python benchmarks/soak.py --script grpo_aent.py --steps 200 --nproc 2 --output runs/soak_aent
+    python -m benchmarks.experiments.soak --steps 300               # grpo_vanilla.py, 1 process, vLLM on
+    python -m benchmarks.experiments.soak --script grpo_aent.py --steps 200 --nproc 2 --output runs/soak_aent
 
 Prints a markdown table (warm-up end vs end, least-squares slopes after warm-up, PASS/FAIL per criterion) and the
 processes whose RSS grew most; writes every per-process sample to <output>/soak_samples.csv.
@@ -27,9 +27,9 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 from utils.testbed import CPU_ENV  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SOAK_FLAGS = {"--save-every": "20", "--keep-checkpoints": "2", "--eval-every": "20", "--eval-num-prompts": "100"}
 FIELDS = ["t", "step", "pid", "ppid", "name", "rss_kb", "anon_kb", "fds", "threads"]
@@ -168,7 +168,7 @@ def main():
         str(a.nproc),
         "--master_port",
         str(free_port()),
-        *([os.path.join(ROOT, "benchmarks", "heap_probe.py")] if a.heap_probe else []),
+        *(["-m", "benchmarks.experiments.heap_probe"] if a.heap_probe else []),
         os.path.join(ROOT, a.script),
         *flags,
         *shlex.split(a.extra),

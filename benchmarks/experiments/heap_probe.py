@@ -1,6 +1,6 @@
 """Run a method script with a heap probe beside it: is growing resident memory a leak or allocator retention?
 
-    python benchmarks/heap_probe.py grpo_aent.py [flags]          (soak.py --heap-probe launches it this way)
+    python -m benchmarks.experiments.heap_probe grpo_aent.py [flags]   (soak.py --heap-probe launches it this way)
 
 A daemon thread wakes every $HEAP_PROBE_INTERVAL seconds (default 20) and appends one line to $HEAP_PROBE_OUT
 (default heap_probe_rank<r>.jsonl): the live torch tensors (count and bytes of their storages), the number of objects
@@ -103,5 +103,6 @@ if __name__ == "__main__":
     rank = os.environ.get("RANK", "0")
     out = os.environ.get("HEAP_PROBE_OUT", f"heap_probe_rank{rank}.jsonl").replace("{rank}", rank)
     threading.Thread(target=probe, args=(out, float(os.environ.get("HEAP_PROBE_INTERVAL", "20"))), daemon=True).start()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    # no sys.path entry for the script's folder: the method scripts sit at the repository root, which `python -m` from
+    # the root already puts first on sys.path
     runpy.run_path(script, run_name="__main__")

@@ -1,7 +1,7 @@
 """Colocated engines against a rollout rank of its own (--rollout-ranks 1) at --max-staleness 0 and 1, on a CPU.
 
-    python benchmarks/bench_rollout_ranks.py                    # 2 processes each: 12 steps, 3 repeats, alternating
-    python benchmarks/bench_rollout_ranks.py --steps 6 --repeats 1  # a quick look
+    python -m benchmarks.experiments.bench_rollout_ranks        # 2 processes each: 12 steps, 3 repeats, alternating
+    python -m benchmarks.experiments.bench_rollout_ranks --steps 6 --repeats 1  # a quick look
 
 The workload of bench_trl.py --varlen: a random Qwen2 that stops (perf_common.random_qwen2_varlen), responses of 64
 tokens on average and at most 256, lengths close to geometric (a long tail); the testbed's first prompts, 4 per step x
@@ -22,8 +22,16 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from perf_common import ROOT, free_port, median, prompt_file, random_qwen2_varlen, read_metrics, run_measured, tail  # noqa: E402
+from benchmarks.experiments.perf_common import (
+    ROOT,
+    free_port,
+    median,
+    prompt_file,
+    random_qwen2_varlen,
+    read_metrics,
+    run_measured,
+    tail,
+)
 
 VARIANTS = {"colocated": [], "s0": ["--rollout-ranks", "1"], "s1": ["--rollout-ranks", "1", "--max-staleness", "1"]}
 

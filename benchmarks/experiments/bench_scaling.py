@@ -1,7 +1,7 @@
 """How a training step's time grows as the group size and the response length double (1x, 2x, 4x), phase by phase.
 
-    python benchmarks/bench_scaling.py                         # grpo_vanilla.py, colocated vLLM-CPU engine
-    python benchmarks/bench_scaling.py --no-use-vllm --script grpo_aent.py
+    python -m benchmarks.experiments.bench_scaling             # grpo_vanilla.py, colocated vLLM-CPU engine
+    python -m benchmarks.experiments.bench_scaling --no-use-vllm --script grpo_aent.py
 
 Each setting runs the script once as a subprocess on one process for --steps steps (the first --warmup not counted)
 and reports the median of each phase from its runs/<run>/metrics.jsonl: time/generation, time/logprob,
@@ -20,8 +20,16 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from perf_common import PHASES, ROOT, median, prompt_file, random_qwen2, read_metrics, run_measured, tail  # noqa: E402
+from benchmarks.experiments.perf_common import (
+    PHASES,
+    ROOT,
+    median,
+    prompt_file,
+    random_qwen2,
+    read_metrics,
+    run_measured,
+    tail,
+)
 
 
 def main():

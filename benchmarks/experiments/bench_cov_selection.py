@@ -8,23 +8,20 @@ vector. `--entropy-mask-source current` takes the same extra forward with the en
 This script times both extra forwards against the mini-batch's forward+backward (what training costs anyway) and
 reports the all-gather volume for a given world size.
 
-    python benchmarks/bench_cov_selection.py                      # the CPU testbed's model
-    python benchmarks/bench_cov_selection.py --model Qwen/Qwen2.5-Math-1.5B --seqs 32 --response-len 3072 \
+    python -m benchmarks.experiments.bench_cov_selection          # the CPU testbed's model
+    python -m benchmarks.experiments.bench_cov_selection --model Qwen/Qwen2.5-Math-1.5B --seqs 32 --response-len 3072 \
         --micro-batch-size 4 --world-size 8                       # on a GPU
 """
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo_klcov import kl_cov_select, response_logprobs, token_covariance  # noqa: E402
-from utils.batching import collate  # noqa: E402
+from grpo_klcov import kl_cov_select, response_logprobs, token_covariance
+from utils.batching import collate
 
 
 def main():

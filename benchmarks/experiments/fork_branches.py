@@ -4,7 +4,8 @@ operator of the equation), on each kind of test problem, with pass@k on the mino
 the seeds of each configuration (its --exp-name), Welch's interval against the baseline. The training metrics see only
 the first token (rollout/first_token_minority, entropy/first_token); this sees what follows it.
 
-    python benchmarks/fork_branches.py --runs 'runs/testbed_fork/*' --output benchmarks/results/testbed/fork/branches.md
+    python -m benchmarks.experiments.fork_branches --runs 'runs/testbed_fork/*' \
+        --output benchmarks/results/testbed/fork/branches.md
 """
 
 import argparse
@@ -13,10 +14,7 @@ import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from benchmarks.compare import diff_ci, fmt_ci, mean_ci  # noqa: E402
+from benchmarks.compare import diff_ci, fmt_ci, mean_ci
 from utils import fork_testbed as ft  # noqa: E402
 from utils import testbed as tb  # noqa: E402
 
@@ -84,7 +82,7 @@ def main():
         f"\nFinal models, {a.problems} test problems of each kind, {a.samples} samples each at T 1 (HF generate, seed"
         " 1); mean ± half-width of the 95% t interval over seeds; differences: Welch's 95% interval, * where it"
         " excludes 0."
-        f" Command: python benchmarks/fork_branches.py --runs {' '.join(a.runs)} --output {a.output}\n"
+        f" Command: python -m benchmarks.experiments.fork_branches --runs {' '.join(a.runs)} --output {a.output}\n"
     )
     with open(a.output, "w") as f:
         f.write("\n".join(lines) + "\n" + note)

@@ -14,9 +14,9 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 from utils.testbed import CPU_ENV  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PHASES = ("time/generation", "time/logprob", "time/training", "time/weight_push", "time/step")
 
@@ -230,10 +230,10 @@ def extra_peak_bytes(run) -> tuple:
 
 def case_in_child(*case: str) -> dict:
     """The running benchmark's own command line plus `case` (its flag naming one case, and the values), run in a fresh
-    interpreter so that the process-wide peak belongs to that case alone: the JSON of the child's last output line."""
-    out = subprocess.run(
-        [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:], *case], capture_output=True, text=True
-    )
+    interpreter so that the process-wide peak belongs to that case alone: the JSON of the child's last output line.
+    The child runs the same module (`python -m benchmarks.experiments.<name>`) in this process's working directory."""
+    module = sys.modules["__main__"].__spec__.name
+    out = subprocess.run([sys.executable, "-m", module, *sys.argv[1:], *case], capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"case {' '.join(case)} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

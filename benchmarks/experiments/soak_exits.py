@@ -3,8 +3,8 @@ engines, one rollout rank at --max-staleness 1} x {ZeRO-2, ZeRO-3}, each repeate
 that did not exit 0 and shows each one's last line. A finished run that dies at exit (a thread or a process group torn
 down in the wrong order) shows here as a non-zero exit after its last step.
 
-    python benchmarks/soak_exits.py --repeats 5                              # 5 scripts x 2 modes x 2 stages x 5
-    python benchmarks/soak_exits.py --scripts grpo_aent.py --modes rollout --stages 3 --repeats 10
+    python -m benchmarks.experiments.soak_exits --repeats 5                  # 5 scripts x 2 modes x 2 stages x 5
+    python -m benchmarks.experiments.soak_exits --scripts grpo_aent.py --modes rollout --stages 3 --repeats 10
 
 Prints a markdown table (runs and non-zero exits per configuration) and the command; writes each run's output under
 --output. Flags: the Makefile's testbed, --steps steps, a token budget, packed sequences and the rollout correction
@@ -19,9 +19,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from benchmarks.soak import free_port, override, testbed_args  # noqa: E402
+from benchmarks.experiments.soak import ROOT, free_port, override, testbed_args
 from utils.testbed import CPU_ENV  # noqa: E402
 
 MODES = {"colocated": {}, "rollout": {"--rollout-ranks": "1", "--max-staleness": "1"}}
@@ -74,7 +72,7 @@ def main():
                         )
                     print(f"{script} {mode} ZeRO-{stage} #{r}: exit {proc.returncode}", file=sys.stderr, flush=True)
                 rows.append((script, mode, stage, len(codes), sum(c != 0 for c in codes)))
-    print(f"command: python benchmarks/soak_exits.py {shlex.join(sys.argv[1:])}")
+    print(f"command: python -m benchmarks.experiments.soak_exits {shlex.join(sys.argv[1:])}")
     print(f"{a.steps} steps a run, 2 processes, {(time.time() - t0) / 60:.0f} minutes in all\n")
     print("| script | mode | ZeRO | runs | non-zero exits |\n| --- | --- | --- | --- | --- |")
     for script, mode, stage, n, bad in rows:

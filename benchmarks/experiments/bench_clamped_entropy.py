@@ -1,9 +1,9 @@
 """AEnt's clamped entropy, forward + backward on [N, V] float32 logits: ours (grpo_aent.clamped_entropy) against a
 faithful re-implementation of the reference (AReaL recipe/AEnt, `clamped_softmax_entropy`), side by side.
 
-    python benchmarks/bench_clamped_entropy.py --n 512            # CPU (V = 151,936, Qwen2.5's vocabulary)
-    python benchmarks/bench_clamped_entropy.py --n 8192 --device cuda
-    python benchmarks/bench_clamped_entropy.py --n 64 --threads 0 --contend 2 --candidate /tmp/new.py
+    python -m benchmarks.experiments.bench_clamped_entropy --n 512  # CPU (V = 151,936, Qwen2.5's vocabulary)
+    python -m benchmarks.experiments.bench_clamped_entropy --n 8192 --device cuda
+    python -m benchmarks.experiments.bench_clamped_entropy --n 64 --threads 0 --contend 2 --candidate /tmp/new.py
 
 Prints the time of each (median over --repeats, the variants alternating), their extra peak memory (beyond the input
 logits; the gradient buffer counts for all) and the ratios; checks that values and gradients agree to 1e-4 (absolute
@@ -31,10 +31,8 @@ from math import prod
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from perf_common import case_in_child, extra_peak_bytes  # noqa: E402
-
-from grpo_aent import clamped_entropy  # noqa: E402
+from benchmarks.experiments.perf_common import case_in_child, extra_peak_bytes
+from grpo_aent import clamped_entropy
 
 
 def reference_clamped_entropy(logits: torch.Tensor, clamp_p: float) -> torch.Tensor:
