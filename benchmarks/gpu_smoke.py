@@ -83,8 +83,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
+from testbed.build_arithmetic import build_testbed
+from testbed.common import CPU_ENV
 from utils import versions
-from utils.testbed import CPU_ENV, build_testbed  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

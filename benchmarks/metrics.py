@@ -21,7 +21,7 @@ SAMPLING = ("rollout/gen_rounds", "rollout/generated_groups", "rollout/filtered_
 EVAL = ("eval/acc", "eval/response_length")  # greedy, on --eval-dataset, every --eval-every steps
 # with --eval-samples k: k samples per eval prompt at the training temperature (pass@k for k = 2, 4, 8, ... and k)
 EVAL_SAMPLED = ("eval/mean_acc", "eval/pass@16", "eval/entropy")
-# every method: the first response token, where a response commits to its approach (utils/fork_testbed.py's fork)
+# every method: the first response token, where a response commits to its approach (testbed/build_fork.py's fork)
 OPENING = ("rollout/first_token_minority", "entropy/first_token")
 COV = ("cov/selected_frac", "cov/selected_mean", "cov/mean", "cov/kl_selected", "cov/clipped_frac")  # KL-Cov, Clip-Cov
 THROUGHPUT = ("charts/tokens_per_second",)

@@ -215,7 +215,11 @@ def test_dry_run_prints_the_structure_offline():
 
 
 def test_report_metrics_are_logged_by_the_scripts():
-    files = [*glob.glob(os.path.join(ROOT, "grpo_*.py")), os.path.join(ROOT, "utils", "tracking.py")]
+    files = [
+        *glob.glob(os.path.join(ROOT, "grpo_*.py")),
+        os.path.join(ROOT, "utils", "tracking.py"),
+        os.path.join(ROOT, "utils", "evaluation.py"),
+    ]
     source = "".join(open(p).read() for p in files)
     for _, _, metrics in sections():
         for m in metrics:  # pass@k is logged for k = 2, 4, 8, ... and --eval-samples

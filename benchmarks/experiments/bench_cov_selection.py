@@ -38,7 +38,7 @@ def main():
     a = p.parse_args()
 
     if a.model is None:
-        from utils.testbed import build_testbed
+        from testbed.build_arithmetic import build_testbed
 
         a.model = build_testbed(log=lambda *x: None).model_dir
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,4 +1,4 @@
-"""Which procedure the trained policies carry out on the fork testbed (utils/fork_testbed.py), from each run's final
+"""Which procedure the trained policies carry out on the fork testbed (testbed/build_fork.py), from each run's final
 model: the share of sampled responses that open with the rare branch's letter ("s") and the share that subtract (the
 operator of the equation), on each kind of test problem, with pass@k on the minority kind; mean and 95% t interval over
 the seeds of each configuration (its --exp-name), Welch's interval against the baseline. The training metrics see only
@@ -15,8 +15,8 @@ import os
 import sys
 
 from benchmarks.compare import diff_ci, fmt_ci, mean_ci
-from utils import fork_testbed as ft  # noqa: E402
-from utils import testbed as tb  # noqa: E402
+from testbed import build_fork as ft
+from testbed import common
 
 COLUMNS = [  # (kind, key, header; n: the samples per problem)
     ("minority", "rare_share", "minority: opens with 's'"),
@@ -28,7 +28,7 @@ COLUMNS = [  # (kind, key, header; n: the samples per problem)
 
 
 def measure_run(path: str, rows: list, samples: int) -> dict:
-    """utils/fork_testbed.measure_by_kind on a saved model (greedy and `samples` at T 1, seed 1), pass@n beside."""
+    """testbed/build_fork.measure_by_kind on a saved model (greedy and `samples` at T 1, seed 1), pass@n beside."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -50,13 +50,13 @@ def main():
     runs = sorted(p for pattern in a.runs for p in glob.glob(pattern) if os.path.isdir(os.path.join(p, "final")))
     if not runs:
         sys.exit(f"error: no run with a final/ model in {a.runs}")
-    recipe = ft.Recipe()
+    recipe = ft.ForkRecipe()
     test = ft.split_problems(recipe)["test"]
     rows = []
     for kind in ("majority", "minority"):
         rows += [r for r in test if r["data_source"] == kind][: a.problems]
     figures = {}
-    with tb._quiet_and_isolated(1):
+    with common.quiet_and_isolated(1):
         figures["initial policy"] = [measure_run(a.base_model, rows, a.samples)]
         for path in runs:
             with open(os.path.join(path, "args.json")) as f:

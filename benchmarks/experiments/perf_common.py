@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 
-from utils.testbed import CPU_ENV  # noqa: E402
+from testbed.common import CPU_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,7 +32,7 @@ def random_qwen2(hidden: int = 256, layers: int = 4, heads: int = 4, intermediat
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from utils.testbed import build_testbed
+    from testbed.build_arithmetic import build_testbed
 
     name = f"bench-qwen2-noeos-h{hidden}-l{layers}-a{heads}-i{intermediate}-s{seed}"
     out = os.path.join(os.path.expanduser("~/.cache/grpo-entropy"), name)
@@ -92,8 +92,8 @@ def random_qwen2_varlen(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from testbed.build_arithmetic import build_testbed
     from utils.data import format_prompt, load_problems
-    from utils.testbed import build_testbed
 
     base = random_qwen2(seed=seed, **dims)
     out = base.replace("-noeos-", f"-eos-m{mean_length:g}-L{max_length}-", 1)
@@ -175,7 +175,7 @@ def n_params(model_dir: str) -> int:
 
 def prompt_file(n: int, path: str) -> str:
     """The first n problems of the testbed's train.jsonl (the same prompts for every side of a comparison)."""
-    from utils.testbed import build_testbed
+    from testbed.build_arithmetic import build_testbed
 
     with open(build_testbed(log=lambda *a: None).train_file) as f:
         rows = [next(f) for _ in range(n)]

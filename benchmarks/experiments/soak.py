@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from utils.testbed import CPU_ENV  # noqa: E402
+from testbed.common import CPU_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -142,7 +142,7 @@ def main():
         help="run the script under heap_probe.py, sampling every this many seconds (and trimming malloc)",
     )
     a = p.parse_args()
-    from utils.testbed import build_testbed
+    from testbed.build_arithmetic import build_testbed
 
     tb = build_testbed(log=lambda *x: None)
     out_dir = os.path.abspath(

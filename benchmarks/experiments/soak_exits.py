@@ -20,7 +20,7 @@ import sys
 import time
 
 from benchmarks.experiments.soak import ROOT, free_port, override, testbed_args
-from utils.testbed import CPU_ENV  # noqa: E402
+from testbed.common import CPU_ENV
 
 MODES = {"colocated": {}, "rollout": {"--rollout-ranks": "1", "--max-staleness": "1"}}
 FLAGS = {
