@@ -50,7 +50,7 @@ def imported_modules() -> set:
                     modules |= {alias.name.split(".")[0] for alias in node.names}
                 elif isinstance(node, ast.ImportFrom) and node.level == 0:
                     modules.add(node.module.split(".")[0])
-    return modules - set(sys.stdlib_module_names) - local - {"utils", "benchmarks"}
+    return modules - set(sys.stdlib_module_names) - local - {"utils", "benchmarks", "testbed"}
 
 
 def requirements(dist: str) -> dict:
