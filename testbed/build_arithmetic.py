@@ -175,7 +175,9 @@ def first_path(text: str, terms) -> int | None:
 def measure(model, tok, rows: list[dict], n_samples: int, seed: int = 0, max_new_tokens: int = 48) -> dict:
     """common.measure on this task (responses of at most 48 tokens), and the share of each solution path (the last:
     none of them)."""
-    m = common.measure(model, tok, rows, n_samples, seed, max_new_tokens, judge=lambda r, t: first_path(t, r["terms"]))
+    m = common.measure(
+        model, tok, rows, n_samples, seed, max_new_tokens, judge=lambda r, t, _: first_path(t, r["terms"])
+    )
     paths = [0] * (len(PATHS) + 1)
     for path in m["judged"]:
         paths[len(PATHS) if path is None else path] += 1

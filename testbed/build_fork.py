@@ -60,7 +60,7 @@ class ForkRecipe(Recipe):
     """The fork testbed's build (with Recipe's fields). Changing a default here means bumping VERSION."""
 
     n_test_per_kind: int = 200
-    """the rest of the 8,010 pairs (3,354) are the SFT problems"""
+    """test problems of each kind; the pairs left after test, train and dev (3,354 of the 8,010) are the SFT problems"""
     sft_repeats: int = 6
     """each SFT problem appears this many times, each with its own sampled response"""
     minority_every: int = 4
@@ -145,10 +145,9 @@ def measure(model, tok, rows: list[dict], n_samples: int, seed: int = 0, max_new
     the first letter; rare_procedure_share: by the operator carried out), the entropy of the fork (the first response
     token; nats), the response tokens' mean entropy, and the execution accuracy (the result right for the branch
     taken)."""
-    from utils.reward import last_boxed
 
-    def judge(row, text):
-        branch, answer = branch_of(text), (last_boxed(text) or "").strip()
+    def judge(row, text, answer):
+        branch = branch_of(text)
         return branch, procedure_of(text), branch is not None and answer == str(value(*row["ab"], branch))
 
     m = common.measure(model, tok, rows, n_samples, seed, max_new_tokens, judge)

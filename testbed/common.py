@@ -220,7 +220,7 @@ def measure(model, tok, rows: list[dict], n_samples: int, seed: int = 0, max_new
     2, 4, .., n), mean response-token entropy (nats, token mean, eos included), the first token's (a fork's), response
     length, truncation rate (no eos within max_new_tokens), for 8+ samples the fraction of prompts whose first 8
     samples are all right or all wrong (zero-advantage GRPO groups of 8); and "judged": `judge(row, text)` of each
-    response in order (the testbed's own reading of it: its path, its branch)."""
+    response in order, given its boxed answer (the testbed's own reading of it: its path, its branch)."""
     import torch
 
     from utils.data import format_prompt
@@ -254,8 +254,9 @@ def measure(model, tok, rows: list[dict], n_samples: int, seed: int = 0, max_new
             n_tok += int(valid.sum())
             n_trunc += int((~is_eos.any(1)).sum())
             for k, text in enumerate(tok.batch_decode(resp, skip_special_tokens=True)):
-                correct.append((last_boxed(text) or "").strip() == chunk[k // n]["answer"])
-                judged.append(judge(chunk[k // n], text) if judge else None)
+                answer = (last_boxed(text) or "").strip()
+                correct.append(answer == chunk[k // n]["answer"])
+                judged.append(judge(chunk[k // n], text, answer) if judge else None)
     per_prompt = [sum(correct[i : i + n]) for i in range(0, len(correct), n)]
     stats = {
         "accuracy": sum(correct) / len(correct),

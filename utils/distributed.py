@@ -53,12 +53,11 @@ def init_distributed(launch=None):
     rollouts = launch.rollouts if launch else 0
     if rollouts:  # two torch.distributed worlds: the trainers' and the rollout ranks'
         launch.start(accelerator.communication_backend_name(), device)
+    serving = bool(rollouts) and launch.serving  # a rollout rank: its world has no ZeRO group
     # every group on TIMEOUT: DeepSpeed's default is 10 minutes (deepspeed/constants.py l. 19, comm/comm.py l. 848), and
     # a new_group given no timeout takes torch's default of its backend, not the world's (distributed_c10d.py l. 5982)
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), timeout=TIMEOUT)
-    if not (
-        launch and launch.serving
-    ):  # ZeRO's data-parallel group, a copy of the world that DeepSpeed makes without a timeout
+    if not serving:  # ZeRO's data-parallel group, a copy of the world that DeepSpeed makes without a timeout
         groups._WORLD_GROUP = dist.new_group(list(range(dist.get_world_size())), timeout=TIMEOUT)  # groups.py l. 734
     if world_size > 1:
         one_line_when_a_peer_is_gone(rank)
