@@ -26,9 +26,11 @@ from utils import batching, checkpoints, distributed, models, ops, process, roll
 from utils.checks import check_args
 from utils.data import check_model, eval_prompts, load_tokenizer, tokenized_prompts
 from utils.evaluation import evaluate
+from utils.kl import kl_penalty
 from utils.logprobs import response_logprobs
 from utils.resume import open_run
 from utils.reward import default_grading_workers
+from utils.rollout_correction import CorrectionMode, rollout_weights
 from utils.sampler import make_sampler
 from utils.split_launch import SplitLaunch
 
@@ -129,6 +131,9 @@ class Args:
     overlong_penalty_factor: float = 1.0
     """the overlong penalty at --max-response-length (verl's penalty_factor 1 on DAPO's +-1 rewards; ours are 1 / 0:
     0.5 gives DAPO's advantages)"""
+    mask_truncated: bool = False
+    """responses cut at --max-response-length leave the loss, its numerator and denominator (TRL's
+    mask_truncated_completions); they still count in their group's advantages and in --filter-groups"""
 
     # Optimisation
     learning_rate: float = 1e-6
@@ -161,12 +166,19 @@ class Args:
     """PPO upper clip: ratio <= 1 + eps_high (DAPO's clip-higher: 0.28)"""
     clip_ratio_c: float = 0.0
     """dual clip: where A < 0 the loss is at most -A c (verl's clip_ratio_c, its default 3); 0: PPO's clip alone"""
+    rollout_correction: CorrectionMode = "token-truncate"
+    """each token's loss times a weight of r = pi_old / pi_sampler bounded by [--vllm-is-min, --vllm-is-cap] against
+    the sampler's disagreement with the trainer (bf16 kernels): token-truncate min(r, C) (TIS); token-mask (IcePop
+    with a lower bound), sequence-truncate, sequence-mask (TRL 1.16's; its default sequence-mask, C 3); geo-mask"""
     vllm_is_cap: float = 2.0
-    """truncated importance sampling: each token's loss times min(pi_old / pi_vllm, C) against the sampler's numerical
-    disagreement with the trainer (bf16 kernels); 0 disables. verl: off by default; TRL 1.16: on by default, but as a
-    sequence-level mask at C = 3 (its vllm_importance_sampling_mode "sequence_mask"; its "token_truncate" is this)"""
+    """the rollout correction's upper bound C; 0 disables the correction (verl's default)"""
+    vllm_is_min: float = 0.0
+    """its lower bound (0: none): the truncate modes raise a ratio to it, the mask modes drop a ratio below it"""
     kl_coef: float = 0.0
-    """coefficient of the k3 KL to the initial policy; 0 (default) does not load a reference model"""
+    """coefficient of the KL to the initial policy; 0 (default) does not load a reference model"""
+    kl_estimator: Literal["k1", "k2", "k3", "k1+", "k3+", "k3-is"] = "k3"
+    """the KL's per-token estimator (utils/kl.py): verl's k1, k2, k3 and straight-through k1+, k3+; k3-is: k3 times
+    pi / pi_old, DeepSeek-V3.2's unbiased form (TRL 1.16's default, use_bias_correction_kl)"""
     scale_rewards: bool = True
     """divide advantages by the group's reward std (GRPO); `--no-scale-rewards` is Dr. GRPO"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
@@ -195,8 +207,6 @@ class Args:
     """fraction of the vocabulary (lowest logits) dropped before the entropy is taken; 0: full entropy (MATH: 0.33)"""
     entropy_coef: float = 0.002
     """coef_0, the entropy-bonus coefficient at the start (MATH run: 0.002)"""
-    adaptive_coef: bool = True
-    """step the coefficient after every training step; off: constant coef_0 (with --clamp-p 0: plain entropy bonus)"""
     entropy_low: float = 0.15
     """lower end of the target box of the clamped entropy, nats (MATH run: 0.15)"""
     entropy_high: float = 0.24
@@ -213,9 +223,12 @@ class Args:
     """the coefficient is clipped to [min, max] (MATH run: 9e-3)"""
     entropy_coef_reg: float = 0.0
     """L2 pull of the coefficient towards coef_0 (the paper's optional term; 0: none, as in the reference code)"""
-    coef_rule: Literal["box", "target"] = "box"
+    coef_rule: Literal["box", "target", "constant", "linear", "cosine"] = "box"
     """box: AEnt's rule above (next_entropy_coef); target: Skywork-OR1's / TRL 1.16's (next_target_coef), with
-    --clamp-p 0 their plain entropy bonus; each one's exact command line: README.md, "Token selection by entropy"""
+    --clamp-p 0 their plain entropy bonus (command lines: README.md, "Token selection by entropy"); constant: coef_0
+    (with --clamp-p 0: verl's plain entropy_coeff bonus, the paper's baseline); linear, cosine: scheduled_coef"""
+    entropy_coef_end: float = 0.0
+    """linear, cosine: the coefficient of the last step, reached from coef_0 over --total-steps (not clipped)"""
     entropy_target: float = 0.2
     """target rule: the entropy (nats) the coefficient steers towards (TRL, Skywork-OR1: 0.2)"""
     entropy_coef_delta: float = 0.005
@@ -258,7 +271,7 @@ class Args:
 
 def validate_args(args: Args, world_size: int) -> None:
     """Reject impossible settings at start with one line naming the flag (the shared flags: utils.checks.check_args)."""
-    steps = ("entropy_coef_lr", "entropy_coef_warmup", "entropy_coef_reg", "entropy_coef_delta")  # each >= 0
+    steps = ("entropy_coef_lr", "entropy_coef_warmup", "entropy_coef_reg", "entropy_coef_delta", "entropy_coef_end")
     method_checks = [
         (0 <= args.clamp_p < 1, f"--clamp-p must be in [0, 1) (got {args.clamp_p})"),
         (args.entropy_low <= args.entropy_high, "--entropy-low must be <= --entropy-high"),
@@ -280,10 +293,12 @@ def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-
     return centered / (rewards.std(dim=1, keepdim=True) + eps) if scale else centered
 
 
-def token_weights(lengths: torch.Tensor, loss_agg: str, n_tokens: float, n_seqs: float, max_len: int) -> torch.Tensor:
+def token_weights(lengths, counted, loss_agg: str, n_tokens: float, n_seqs: float, max_len: int) -> torch.Tensor:
     """Weight of each response token so that sum(weight * loss) is the loss of the optimizer mini-batch of all ranks
-    (n_tokens, n_seqs: its totals; lengths: the local sequences'): token-mean 1 / n_tokens, seq-mean-token-mean
-    1 / (len_i n_seqs), seq-mean-token-sum-norm (Dr. GRPO) 1 / (max_len n_seqs): independent of the layout."""
+    (n_tokens, n_seqs: its totals over the counted sequences; lengths, counted: the local sequences', an uncounted
+    one weighs 0): token-mean 1 / n_tokens, seq-mean-token-mean 1 / (len_i n_seqs), seq-mean-token-sum-norm (Dr. GRPO)
+    1 / (max_len n_seqs): independent of the layout."""
+    n_tokens, n_seqs = max(n_tokens, 1), max(n_seqs, 1)  # none counted (--mask-truncated): every weight 0
     if loss_agg == "token-mean":
         per_seq = torch.full_like(lengths, 1.0 / n_tokens, dtype=torch.float32)
     elif loss_agg == "seq-mean-token-mean":
@@ -292,7 +307,7 @@ def token_weights(lengths: torch.Tensor, loss_agg: str, n_tokens: float, n_seqs:
         per_seq = torch.full_like(lengths, 1.0 / (max_len * n_seqs), dtype=torch.float32)
     else:
         raise ValueError(f"unknown loss_agg {loss_agg!r}")
-    return per_seq.repeat_interleave(lengths)
+    return (per_seq * counted).repeat_interleave(lengths)
 
 
 def ppo_clip_loss(logp, old_logp, advantages, eps_low: float, eps_high: float, clip_c: float = 0.0):
@@ -396,16 +411,17 @@ def next_target_coef(coef, entropy, *, target, delta, coef_min, coef_max) -> flo
     return min(coef + delta, coef_max) if entropy <= target else max(coef - delta, coef_min)
 
 
+def scheduled_coef(rule: str, step: int, total_steps: int, start: float, end: float) -> float:
+    """The coefficient of training step `step` (0-based) on a schedule from `start` at the first step to `end` at the
+    last: linear, or a half cosine end + (start - end) (1 + cos(pi t)) / 2, t = step / (total_steps - 1)."""
+    t = min(step / max(total_steps - 1, 1), 1.0)
+    return start + (end - start) * t if rule == "linear" else end + (start - end) * (1 + math.cos(math.pi * t)) / 2
+
+
 def target_gate(last_entropy, target: float) -> bool:
     """The target rule's gate: a bonus only after a step (or update) whose entropy was <= target (none before the
     first one)."""
     return last_entropy is not None and last_entropy <= target
-
-
-def rollout_weights(old_logp, sampler_logp, cap: float) -> torch.Tensor:
-    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
-    training"): each sampled token's loss weight min(pi_old / pi_sampler, cap), pi_old the trainer's probability."""
-    return torch.exp(old_logp - sampler_logp).clamp(max=cap)
 
 
 class Selection(NamedTuple):
@@ -490,6 +506,7 @@ if __name__ == "__main__":
     # the policy (DeepSpeed engine), the reference policy, the sampler (vLLM engine)
     G, mbs, clip = args.group_size, args.micro_batch_size, (args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c)
     updates_per_step = args.num_mini_batches * args.num_epochs
+    correction = (args.rollout_correction, args.vllm_is_min, args.vllm_is_cap)  # the sampler's tokens to the trainer's
     grading_workers = args.grading_workers or default_grading_workers()
     if launch.serving:  # a rollout rank generates for the trainers until they stop: its process ends here
         raise SystemExit(rollout_rank.serve(launch, args, tokenizer, train_data, grading_workers))
@@ -542,20 +559,24 @@ if __name__ == "__main__":
         batches = [
             batching.collate(p, r, tokenizer.pad_token_id, device, a, args.padding_free, idx) for p, r, a, idx in inputs
         ]
+        # --mask-truncated: the responses cut at the length limit weigh 0 in the loss (counted: the others)
+        counted = torch.tensor([not (args.mask_truncated and s.truncated) for s in samples])
         # the sampler's log-probs of each micro-batch's tokens, in its order
         sampler_logps = [torch.tensor([x for k in idx for x in samples[k].sampler_logps]).to(device) for idx in indices]
 
         # ---- log-prob pass: the sampling policy's log-probs and entropy, the reference policy's log-probs ----
         t0 = time.time()
-        old_logps, ref_logps, entropies = [], [], []  # one flat tensor per micro-batch
+        old_logps, ref_logps, entropies, is_weights = [], [], [], []  # one flat tensor per micro-batch
         sums = dict.fromkeys(["entropy", "loss", "clipped", "approx_kl", "ref_kl"], 0.0)  # over the step, then ranks
         sums.update(dict.fromkeys(["kept", "kept_entropy", "threshold", "selections"], 0.0))  # the 80/20 rule
         sums.update(dict.fromkeys(tracking.CLIP_SUMS, 0.0))  # where the ratio left the clip range
         sums.update(dict.fromkeys(["clamped", "bonus", "clamped_train", "train_tokens"], 0.0))  # AEnt
         with torch.no_grad():
-            for batch in batches:
+            for batch, sampler_logp in zip(batches, sampler_logps):
                 logp, entropy, clamped_h = logprobs(policy, batch, with_entropy=True, extra=clamped)
                 old_logps.append(logp)
+                # the rollout correction: each token's weight (1 with --vllm-is-cap 0), what it truncated and masked
+                is_weights.append(rollout_weights(logp, sampler_logp, batch["lengths"], *correction))
                 entropies.append(entropy)
                 sums["entropy"] += entropy.sum().double()
                 sums["clamped"] += clamped_h.sum().double()
@@ -569,24 +590,23 @@ if __name__ == "__main__":
         for epoch in range(args.num_epochs):
             for m in range(args.num_mini_batches):
                 mini = minis[m]
-                mini_lengths = torch.cat([batches[i]["lengths"] for i in mini])
+                mini_lengths = torch.cat([batches[i]["lengths"] * counted[batches[i]["index"]] for i in mini])
                 totals = distributed.all_reduce_sums(
-                    {"tokens": mini_lengths.sum().item(), "seqs": len(mini_lengths)}, device
+                    {"tokens": mini_lengths.sum().item(), "seqs": mini_lengths.count_nonzero().item()}, device
                 )
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
                 selector.start(mini, batches, entropies, bool(epoch or m))  # the 80/20 rule, global scope
                 coef_state = method_state["entropy_coef"]  # AEnt: the step's coefficient, the same on every rank
-                gate = args.coef_rule == "box" or target_gate(method_state.get("last_entropy"), args.entropy_target)
+                gate = args.coef_rule != "target" or target_gate(method_state.get("last_entropy"), args.entropy_target)
                 coef = coef_state if gate else 0.0
                 window = {k: sums[k] + 0 for k in ("clamped_train", "train_tokens")}  # AEnt: copies: sums grow in place
                 for i in mini:
                     batch = batches[i]
                     logp, entropy, clamped_h = logprobs(policy, batch, with_entropy=train_entropy, extra=clamped)
                     old_logp, adv = old_logps[i], batch["advantages"]
-                    weights = token_weights(batch["lengths"], *aggregation).to(device)
+                    weights = token_weights(batch["lengths"], counted[batch["index"]], *aggregation).to(device)
                     token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)
-                    if args.vllm_is_cap:  # the sampler's tokens, weighted to the trainer's
-                        token_loss = token_loss * rollout_weights(old_logp, sampler_logps[i], args.vllm_is_cap)
+                    token_loss = token_loss * is_weights[i][0]  # the sampler's tokens, weighted to the trainer's
                     token_loss = selector.keep(i, token_loss, entropy, sums)  # the 80/20 rule: the kept tokens only
                     # AEnt: the clamped-entropy bonus, aggregated like the loss (rho < 1, synced: a mean over the kept)
                     s = selector.selection  # synced: the tokens the 80/20 rule kept, and tokens / kept
@@ -597,8 +617,7 @@ if __name__ == "__main__":
                     sums["clamped_train"] += (clamped_h.detach() * bonus_tokens).sum().double()
                     sums["train_tokens"] += bonus_tokens.sum().double()
                     if ref_policy is not None:
-                        log_ratio = ref_logps[i] - logp
-                        ref_kl = torch.exp(log_ratio) - log_ratio - 1  # k3 estimator
+                        ref_kl = kl_penalty(logp, ref_logps[i], old_logp, args.kl_estimator)  # k3 by default
                         token_loss = token_loss + args.kl_coef * ref_kl
                         sums["ref_kl"] += (ref_kl.detach() * weights).sum().double()
                     loss = (token_loss * weights).sum()
@@ -615,7 +634,7 @@ if __name__ == "__main__":
                 if args.coef_cadence == "update":  # AEnt, TRL 1.16: the update's world entropy steps the coefficient
                     window = distributed.all_reduce_sums({k: sums[k] - v for k, v in window.items()}, device)
                     h = window["clamped_train"] / window["train_tokens"] if window["train_tokens"] else math.nan
-                    if args.adaptive_coef and math.isfinite(h):
+                    if math.isfinite(h):
                         method_state["entropy_coef"] = next_target_coef(coef_state, h, **target, **limits)
                         method_state["last_entropy"] = h  # the next update's gate
                 skipped += updates.record_update(policy, scheduler, grad_norms)  # or skipped (non-finite)
@@ -634,7 +653,7 @@ if __name__ == "__main__":
         sums.update(rollout.sums)  # --filter-groups: the generation rounds
         sums["nll"] = -old_logp.sum().item()
         # the sampler's log-probs against the trainer's, the correction's weights
-        sums.update(tracking.sampler_sums(old_logp, torch.cat(sampler_logps), args.vllm_is_cap))
+        sums.update(tracking.sampler_sums(old_logp, torch.cat(sampler_logps), is_weights))
         summed = distributed.all_reduce_sums(sums, device)
         max_length = torch.tensor([max(len(s.ids) for s in samples)], device=device)
         dist.all_reduce(max_length, op=dist.ReduceOp.MAX)
@@ -649,9 +668,12 @@ if __name__ == "__main__":
         # AEnt: same inputs on every rank, same value, no broadcast; a non-finite entropy (skipped updates) keeps it
         h = metrics["entropy/sampled_nll" if args.coef_signal == "nll" else "entropy/clamped_train"]
         per_step = math.isfinite(h) and args.coef_cadence == "step"  # else stepped after every update above
-        if args.adaptive_coef and per_step and args.coef_rule == "target":
+        if per_step and args.coef_rule == "target":
             method_state["entropy_coef"] = next_target_coef(coef_state, h, **target, **limits)
-        elif args.adaptive_coef and per_step and step >= args.entropy_coef_warmup:  # the box rule
+        elif args.coef_rule in ("linear", "cosine"):  # the schedule: the next step's coefficient
+            schedule = (args.coef_rule, step + 1, args.total_steps, args.entropy_coef, args.entropy_coef_end)
+            method_state["entropy_coef"] = scheduled_coef(*schedule)
+        elif per_step and args.coef_rule == "box" and step >= args.entropy_coef_warmup:
             box = dict(low=args.entropy_low, high=args.entropy_high, lr=args.entropy_coef_lr, reg=args.entropy_coef_reg)
             box["init_coef"] = args.entropy_coef
             method_state["entropy_coef"] = next_entropy_coef(coef_state, h, **box, **limits)

@@ -27,9 +27,11 @@ from utils import batching, checkpoints, distributed, models, ops, process, roll
 from utils.checks import check_args
 from utils.data import check_model, eval_prompts, load_tokenizer, tokenized_prompts
 from utils.evaluation import evaluate
+from utils.kl import kl_penalty
 from utils.logprobs import current_logprobs, response_logprobs
 from utils.resume import open_run
 from utils.reward import default_grading_workers
+from utils.rollout_correction import CorrectionMode, rollout_weights
 from utils.sampler import make_sampler
 from utils.split_launch import SplitLaunch
 
@@ -130,6 +132,9 @@ class Args:
     overlong_penalty_factor: float = 1.0
     """the overlong penalty at --max-response-length (verl's penalty_factor 1 on DAPO's +-1 rewards; ours are 1 / 0:
     0.5 gives DAPO's advantages)"""
+    mask_truncated: bool = False
+    """responses cut at --max-response-length leave the loss, its numerator and denominator (TRL's
+    mask_truncated_completions); they still count in their group's advantages and in --filter-groups"""
 
     # Optimisation
     learning_rate: float = 1e-6
@@ -162,12 +167,19 @@ class Args:
     """PPO upper clip: ratio <= 1 + eps_high (Clip-Cov recipe: 1, Clip-Cov takes over the clipping; vanilla: 0.2)"""
     clip_ratio_c: float = 0.0
     """dual clip: where A < 0 the loss is at most -A c (verl's clip_ratio_c, its default 3); 0: PPO's clip alone"""
+    rollout_correction: CorrectionMode = "token-truncate"
+    """each token's loss times a weight of r = pi_old / pi_sampler bounded by [--vllm-is-min, --vllm-is-cap] against
+    the sampler's disagreement with the trainer (bf16 kernels): token-truncate min(r, C) (TIS); token-mask (IcePop
+    with a lower bound), sequence-truncate, sequence-mask (TRL 1.16's; its default sequence-mask, C 3); geo-mask"""
     vllm_is_cap: float = 2.0
-    """truncated importance sampling: each token's loss times min(pi_old / pi_vllm, C) against the sampler's numerical
-    disagreement with the trainer (bf16 kernels); 0 disables. verl: off by default; TRL 1.16: on by default, but as a
-    sequence-level mask at C = 3 (its vllm_importance_sampling_mode "sequence_mask"; its "token_truncate" is this)"""
+    """the rollout correction's upper bound C; 0 disables the correction (verl's default)"""
+    vllm_is_min: float = 0.0
+    """its lower bound (0: none): the truncate modes raise a ratio to it, the mask modes drop a ratio below it"""
     kl_coef: float = 0.0
-    """coefficient of the k3 KL to the initial policy; 0 (default) does not load a reference model"""
+    """coefficient of the KL to the initial policy; 0 (default) does not load a reference model"""
+    kl_estimator: Literal["k1", "k2", "k3", "k1+", "k3+", "k3-is"] = "k3"
+    """the KL's per-token estimator (utils/kl.py): verl's k1, k2, k3 and straight-through k1+, k3+; k3-is: k3 times
+    pi / pi_old, DeepSeek-V3.2's unbiased form (TRL 1.16's default, use_bias_correction_kl)"""
     scale_rewards: bool = True
     """divide advantages by the group's reward std (GRPO); `--no-scale-rewards` is Dr. GRPO"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
@@ -248,10 +260,12 @@ def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-
     return centered / (rewards.std(dim=1, keepdim=True) + eps) if scale else centered
 
 
-def token_weights(lengths: torch.Tensor, loss_agg: str, n_tokens: float, n_seqs: float, max_len: int) -> torch.Tensor:
+def token_weights(lengths, counted, loss_agg: str, n_tokens: float, n_seqs: float, max_len: int) -> torch.Tensor:
     """Weight of each response token so that sum(weight * loss) is the loss of the optimizer mini-batch of all ranks
-    (n_tokens, n_seqs: its totals; lengths: the local sequences'): token-mean 1 / n_tokens, seq-mean-token-mean
-    1 / (len_i n_seqs), seq-mean-token-sum-norm (Dr. GRPO) 1 / (max_len n_seqs): independent of the layout."""
+    (n_tokens, n_seqs: its totals over the counted sequences; lengths, counted: the local sequences', an uncounted
+    one weighs 0): token-mean 1 / n_tokens, seq-mean-token-mean 1 / (len_i n_seqs), seq-mean-token-sum-norm (Dr. GRPO)
+    1 / (max_len n_seqs): independent of the layout."""
+    n_tokens, n_seqs = max(n_tokens, 1), max(n_seqs, 1)  # none counted (--mask-truncated): every weight 0
     if loss_agg == "token-mean":
         per_seq = torch.full_like(lengths, 1.0 / n_tokens, dtype=torch.float32)
     elif loss_agg == "seq-mean-token-mean":
@@ -260,7 +274,7 @@ def token_weights(lengths: torch.Tensor, loss_agg: str, n_tokens: float, n_seqs:
         per_seq = torch.full_like(lengths, 1.0 / (max_len * n_seqs), dtype=torch.float32)
     else:
         raise ValueError(f"unknown loss_agg {loss_agg!r}")
-    return per_seq.repeat_interleave(lengths)
+    return (per_seq * counted).repeat_interleave(lengths)
 
 
 def ppo_clip_loss(logp, old_logp, advantages, eps_low: float, eps_high: float, clip_c: float = 0.0):
@@ -330,12 +344,6 @@ def clip_cov_metrics(summed: dict, num_epochs: int, selection_time: float) -> di
         "cov/clipped_frac": summed["dropped"] / considered,  # no gradient: PPO-clipped or Clip-Cov-selected
         "time/cov_selection": selection_time,
     }
-
-
-def rollout_weights(old_logp, sampler_logp, cap: float) -> torch.Tensor:
-    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
-    training"): each sampled token's loss weight min(pi_old / pi_sampler, cap), pi_old the trainer's probability."""
-    return torch.exp(old_logp - sampler_logp).clamp(max=cap)
 
 
 class Selection(NamedTuple):
@@ -420,6 +428,7 @@ if __name__ == "__main__":
     # the policy (DeepSpeed engine), the reference policy, the sampler (vLLM engine)
     G, mbs, clip = args.group_size, args.micro_batch_size, (args.clip_eps_low, args.clip_eps_high, args.clip_ratio_c)
     updates_per_step = args.num_mini_batches * args.num_epochs
+    correction = (args.rollout_correction, args.vllm_is_min, args.vllm_is_cap)  # the sampler's tokens to the trainer's
     grading_workers = args.grading_workers or default_grading_workers()
     if launch.serving:  # a rollout rank generates for the trainers until they stop: its process ends here
         raise SystemExit(rollout_rank.serve(launch, args, tokenizer, train_data, grading_workers))
@@ -465,19 +474,23 @@ if __name__ == "__main__":
         batches = [
             batching.collate(p, r, tokenizer.pad_token_id, device, a, args.padding_free, idx) for p, r, a, idx in inputs
         ]
+        # --mask-truncated: the responses cut at the length limit weigh 0 in the loss (counted: the others)
+        counted = torch.tensor([not (args.mask_truncated and s.truncated) for s in samples])
         # the sampler's log-probs of each micro-batch's tokens, in its order
         sampler_logps = [torch.tensor([x for k in idx for x in samples[k].sampler_logps]).to(device) for idx in indices]
 
         # ---- log-prob pass: the sampling policy's log-probs and entropy, the reference policy's log-probs ----
         t0 = time.time()
-        old_logps, ref_logps, entropies = [], [], []  # one flat tensor per micro-batch
+        old_logps, ref_logps, entropies, is_weights = [], [], [], []  # one flat tensor per micro-batch
         sums = dict.fromkeys(["entropy", "loss", "clipped", "approx_kl", "ref_kl"], 0.0)  # over the step, then ranks
         sums.update(dict.fromkeys(["kept", "kept_entropy", "threshold", "selections"], 0.0))  # the 80/20 rule
         sums.update(dict.fromkeys(tracking.CLIP_SUMS, 0.0))  # where the ratio left the clip range
         with torch.no_grad():
-            for batch in batches:
+            for batch, sampler_logp in zip(batches, sampler_logps):
                 logp, entropy, _ = logprobs(policy, batch, with_entropy=True)
                 old_logps.append(logp)
+                # the rollout correction: each token's weight (1 with --vllm-is-cap 0), what it truncated and masked
+                is_weights.append(rollout_weights(logp, sampler_logp, batch["lengths"], *correction))
                 entropies.append(entropy)
                 sums["entropy"] += entropy.sum().double()
                 if ref_policy is not None:
@@ -492,9 +505,9 @@ if __name__ == "__main__":
         for epoch in range(args.num_epochs):
             for m in range(args.num_mini_batches):
                 mini = minis[m]
-                mini_lengths = torch.cat([batches[i]["lengths"] for i in mini])
+                mini_lengths = torch.cat([batches[i]["lengths"] * counted[batches[i]["index"]] for i in mini])
                 totals = distributed.all_reduce_sums(
-                    {"tokens": mini_lengths.sum().item(), "seqs": len(mini_lengths)}, device
+                    {"tokens": mini_lengths.sum().item(), "seqs": mini_lengths.count_nonzero().item()}, device
                 )
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
                 selector.start(mini, batches, entropies, bool(epoch or m))  # the 80/20 rule, global scope
@@ -510,10 +523,9 @@ if __name__ == "__main__":
                     batch = batches[i]
                     logp, entropy, _ = logprobs(policy, batch, with_entropy=train_entropy)
                     old_logp, adv = old_logps[i], batch["advantages"]
-                    weights = token_weights(batch["lengths"], *aggregation).to(device)
+                    weights = token_weights(batch["lengths"], counted[batch["index"]], *aggregation).to(device)
                     token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)
-                    if args.vllm_is_cap:  # the sampler's tokens, weighted to the trainer's
-                        token_loss = token_loss * rollout_weights(old_logp, sampler_logps[i], args.vllm_is_cap)
+                    token_loss = token_loss * is_weights[i][0]  # the sampler's tokens, weighted to the trainer's
                     if args.cov_scope == "global":
                         cov, selected = mini_cov[i - mini.start], mini_selected[i - mini.start]
                     else:  # the reference: local means and local count, per micro-batch and rank
@@ -523,8 +535,7 @@ if __name__ == "__main__":
                     token_loss = token_loss * ~selected  # gradient dropped; the token stays in the denominator
                     token_loss = selector.keep(i, token_loss, entropy, sums)  # the 80/20 rule: the kept tokens only
                     if ref_policy is not None:
-                        log_ratio = ref_logps[i] - logp
-                        ref_kl = torch.exp(log_ratio) - log_ratio - 1  # k3 estimator
+                        ref_kl = kl_penalty(logp, ref_logps[i], old_logp, args.kl_estimator)  # k3 by default
                         token_loss = token_loss + args.kl_coef * ref_kl
                         sums["ref_kl"] += (ref_kl.detach() * weights).sum().double()
                     loss = (token_loss * weights).sum()
@@ -558,7 +569,7 @@ if __name__ == "__main__":
         sums.update(rollout.sums)  # --filter-groups: the generation rounds
         sums["nll"] = -old_logp.sum().item()
         # the sampler's log-probs against the trainer's, the correction's weights
-        sums.update(tracking.sampler_sums(old_logp, torch.cat(sampler_logps), args.vllm_is_cap))
+        sums.update(tracking.sampler_sums(old_logp, torch.cat(sampler_logps), is_weights))
         summed = distributed.all_reduce_sums(sums, device)
         max_length = torch.tensor([max(len(s.ids) for s in samples)], device=device)
         dist.all_reduce(max_length, op=dist.ReduceOp.MAX)

@@ -30,14 +30,14 @@ def test_token_weights_match_each_aggregation_definition():
     lengths = torch.tensor([2, 3, 5])
     loss = torch.arange(10, dtype=torch.float32)
     per_seq = loss.split(lengths.tolist())
-    w = gv.token_weights(lengths, "token-mean", 10, 3, 8)
+    w = gv.token_weights(lengths, 1, "token-mean", 10, 3, 8)
     assert torch.isclose((w * loss).sum(), loss.mean())
-    w = gv.token_weights(lengths, "seq-mean-token-mean", 10, 3, 8)
+    w = gv.token_weights(lengths, 1, "seq-mean-token-mean", 10, 3, 8)
     assert torch.isclose((w * loss).sum(), torch.stack([s.mean() for s in per_seq]).mean())
-    w = gv.token_weights(lengths, "seq-mean-token-sum-norm", 10, 3, 8)
+    w = gv.token_weights(lengths, 1, "seq-mean-token-sum-norm", 10, 3, 8)
     assert torch.isclose((w * loss).sum(), torch.stack([s.sum() / 8 for s in per_seq]).mean())
     with pytest.raises(ValueError):
-        gv.token_weights(lengths, "sum", 10, 3, 8)
+        gv.token_weights(lengths, 1, "sum", 10, 3, 8)
 
 
 def test_token_weights_split_over_ranks_sum_to_global_mean():
@@ -46,7 +46,7 @@ def test_token_weights_split_over_ranks_sum_to_global_mean():
     loss = torch.randn(14)
     half = int(lengths[:2].sum())
     total = sum(
-        (gv.token_weights(ls, "token-mean", 14, 4, 8) * lo).sum()
+        (gv.token_weights(ls, 1, "token-mean", 14, 4, 8) * lo).sum()
         for ls, lo in ((lengths[:2], loss[:half]), (lengths[2:], loss[half:]))
     )
     assert torch.isclose(total, loss.mean(), atol=1e-6)
@@ -176,13 +176,6 @@ def test_collect_for_gives_the_same_mini_batches_on_any_world_size(testbed):
     assert sorted(seen) == list(range(30))
 
 
-def test_rollout_weights_are_the_truncated_probability_ratio():
-    """min(pi_old / pi_sampler, C) per token (truncated importance sampling), a constant of the loss."""
-    old, sampler = torch.log(torch.tensor([0.5, 0.2, 0.9, 0.3])), torch.log(torch.tensor([0.5, 0.4, 0.1, 0.6]))
-    weights = gv.rollout_weights(old, sampler, 2.0)
-    assert torch.allclose(weights, torch.tensor([1.0, 0.5, 2.0, 0.5])) and not weights.requires_grad
-
-
 VALID = {"num_prompts_per_step": 8, "num_mini_batches": 2, "group_size": 4, "micro_batch_size": 4}
 """settings every script's validate_args accepts on 2 ranks; each row below changes some and must be refused"""
 BAD_FLAGS = [
@@ -193,6 +186,7 @@ BAD_FLAGS = [
     (gv, {"num_prompts_per_step": 6}, "must be divisible by --num-mini-batches x world size"),
     (gv, {"micro_batch_size": 3}, "--micro-batch-size (3) must divide"),
     (gv, {"vllm_is_cap": 0.5}, "--vllm-is-cap must be 0 (off) or >= 1"),
+    (gv, {"vllm_is_min": 1.5}, "--vllm-is-min must be in [0, 1]"),
     (gv, {"top_entropy_quantile": 1.5}, "--top-entropy-quantile must be in"),
     (ga, {"clamp_p": 1.0}, "--clamp-p must be in [0, 1)"),
     (ga, {"entropy_low": 0.5}, "--entropy-low must be <= --entropy-high"),

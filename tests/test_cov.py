@@ -116,7 +116,7 @@ def test_microbatch_scope_equals_the_published_kl_cov_loss(seed, ratio):
     flat_logp, flat_old, flat_adv = logp[mask], old[mask], adv[mask]
     cov = kc.token_covariance(flat_logp, flat_adv)
     selected = kc.kl_cov_select(cov, ratio)
-    weights = gv.token_weights(lengths, "token-mean", int(mask.sum()), len(lengths), mask.shape[1])
+    weights = gv.token_weights(lengths, 1, "token-mean", int(mask.sum()), len(lengths), mask.shape[1])
     loss = (kc.kl_cov_loss(flat_logp, flat_old, flat_adv, selected, 1.0) * weights).sum()
     (grad,) = torch.autograd.grad(loss, logp)
     assert torch.isclose(loss, expected, atol=1e-6)
@@ -133,7 +133,7 @@ def test_microbatch_scope_equals_the_published_clip_cov_loss(seed, ratio, lb, ub
     token_loss, clipped = gv.ppo_clip_loss(flat_logp, flat_old, flat_adv, 0.2, 0.2)
     cov = cc.token_covariance(flat_logp, flat_adv)
     selected = cc.clip_cov_select(cov, ~clipped, ratio, lb, ub, torch.Generator().manual_seed(seed))
-    weights = gv.token_weights(lengths, "token-mean", int(mask.sum()), len(lengths), mask.shape[1])
+    weights = gv.token_weights(lengths, 1, "token-mean", int(mask.sum()), len(lengths), mask.shape[1])
     loss = (token_loss * ~selected * weights).sum()
     (grad,) = torch.autograd.grad(loss, logp)
     assert torch.isclose(loss, expected, atol=1e-6)

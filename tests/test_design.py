@@ -269,7 +269,7 @@ def test_readme_names_every_utils_module_and_the_sizes_hold():
 # the conditionals a method's loop adds to vanilla's, and why (vanilla's loop: at most 8, as CleanRL's ppo.py's)
 METHOD_CONDITIONALS = {
     "grpo_vanilla.py": 0,
-    "grpo_aent.py": 10,  # the bonus's two passes, its synced tokens, the box and target rules, their cadence, warm-up
+    "grpo_aent.py": 11,  # the bonus's two passes, its synced tokens, the box, target and scheduled rules, cadence
     "grpo_klcov.py": 3,  # the global or micro-batch selection (twice), the penalty's metrics
     "grpo_clipcov.py": 3,  # the same
     "grpo_lpreg.py": 3,  # the same

@@ -100,3 +100,21 @@ def test_a_killed_filtered_run_resumes_on_the_same_trajectory(testbed, runs, tmp
     straight = runs("filter_1", **FILTER)
     assert_same_run(straight, path)
     assert trainer_state(path)["consumed"] == trainer_state(straight)["consumed"]
+
+
+@pytest.mark.vllm
+def test_masked_truncated_responses_leave_the_loss_not_the_groups(testbed, tmp_path):
+    """--mask-truncated with dynamic sampling and overlong shaping, at 28 tokens (half of step 1's responses cut): the
+    cut responses keep their (shaped) rewards in their groups' advantages and in the filter, so the step's rollouts,
+    the groups kept and the rewards are the unmasked run's; only the loss changes, and the share masked is logged."""
+    flags = {**COMMON, **FILTER, "total-steps": 1, "max-response-length": 28}
+    rows = {}
+    for name, mask in (("all", {}), ("masked", {"mask-truncated": True})):
+        run_script("grpo_vanilla.py", script_flags(testbed, **flags, **mask), tmp_path / name)
+        (rows[name],) = read_metrics(run_dir(tmp_path / name))
+    plain, masked = rows["all"], rows["masked"]
+    keys = ["rollout/reward", "rollout/accuracy", "rollout/truncation_rate", "rollout/all_equal_frac", *NEW]
+    assert [masked[k] for k in keys] == [plain[k] for k in keys]
+    assert 0 < masked["rollout/masked_truncated_frac"] == masked["rollout/truncation_rate"] < 1
+    assert "rollout/masked_truncated_frac" not in plain
+    assert masked["losses/policy_loss"] != pytest.approx(plain["losses/policy_loss"], rel=1e-3)

@@ -191,21 +191,30 @@ def test_disk_too_small_for_any_checkpoint_is_a_warning_then_one_line(testbed, t
 
 def test_rollout_correction_weights_the_loss_by_the_sampler_mismatch(testbed, tmp_path):
     """A sampler that reports every token 3x less likely than the trainer finds it (injected into vLLM's output): with
-    --vllm-is-cap 0 the loss is not corrected; with C = 4 each token's loss is weighted by the ratio 3, with C = 2 by
-    the cap 2: the same samples, the loss and the gradient scaled by exactly that."""
+    --vllm-is-cap 0 the loss is not corrected; token-truncate at C = 4 weights each token's loss by the ratio 3, at
+    C = 2 by the cap 2; token-mask at C = 2 drops every token (ratio 3 > 2: no loss, no gradient); sequence-truncate
+    at C = 4 weights by the cap (the sequences' products 3^n > 4); geo-mask at C = 4 keeps every sequence (geometric
+    mean 3) at weight 1: the same samples, the loss and the gradient scaled by exactly that."""
+    runs = {  # (flags, the weight of every token, truncated, masked)
+        "off": ({"vllm-is-cap": 0}, 1.0, 0.0, 0.0),
+        "c2": ({"vllm-is-cap": 2}, 2.0, 1.0, 0.0),
+        "c4": ({"vllm-is-cap": 4}, 3.0, 0.0, 0.0),
+        "token-mask c2": ({"vllm-is-cap": 2, "rollout-correction": "token-mask"}, 0.0, 0.0, 1.0),
+        "sequence-truncate c4": ({"vllm-is-cap": 4, "rollout-correction": "sequence-truncate"}, 4.0, 1.0, 0.0),
+        "geo-mask c4": ({"vllm-is-cap": 4, "rollout-correction": "geo-mask", "vllm-is-min": 0.5}, 1.0, 0.0, 0.0),
+    }
     rows = {}
-    for cap in (0, 2, 4):
-        flags = script_flags(testbed, **{"total-steps": 1, "vllm-is-cap": cap})
-        run_script("grpo_vanilla.py", flags, tmp_path / str(cap), fault="sampler-ratio:1+", env={"GRPO_RATIO": "3"})
-        (rows[cap],) = read_metrics(run_dir(tmp_path / str(cap)))
-    base = rows[0]
+    for k, (name, (flags, *_)) in enumerate(runs.items()):
+        flags = script_flags(testbed, **{"total-steps": 1, **flags})
+        run_script("grpo_vanilla.py", flags, tmp_path / str(k), fault="sampler-ratio:1+", env={"GRPO_RATIO": "3"})
+        (rows[name],) = read_metrics(run_dir(tmp_path / str(k)))
+    base = rows["off"]
     assert base["rollout/vllm_logprob_gap"] == pytest.approx(math.log(3), rel=1e-3)
     assert base["losses/grad_norm"] > 0 and base["losses/policy_loss"] != 0
-    for cap, weight in ((0, 3.0), (2, 2.0), (4, 3.0)):
-        r = rows[cap]
+    for name, (_, weight, truncated, masked) in runs.items():
+        r = rows[name]
         assert r["rollout/reward"] == base["rollout/reward"] and r["entropy/full"] == base["entropy/full"]
-        assert r["rollout/is_weight_mean"] == pytest.approx(weight, rel=1e-3)  # cap 0: the uncorrected ratio
-        assert r["rollout/is_clipped_frac"] == (1.0 if cap == 2 else 0.0)
-        scale = weight if cap else 1.0
+        assert r["rollout/is_weight_mean"] == pytest.approx(weight, rel=1e-3), name
+        assert (r["rollout/is_clipped_frac"], r["rollout/is_masked_frac"]) == (truncated, masked), name
         for key in ("losses/policy_loss", "losses/grad_norm"):
-            assert r[key] == pytest.approx(scale * base[key], rel=1e-3), (cap, key)
+            assert r[key] == pytest.approx(weight * base[key], rel=1e-3), (name, key)

@@ -48,7 +48,7 @@ def ours(loss_fn, logp, old, adv, mask, lengths):
 
 
 def token_mean(mask, lengths):
-    return gv.token_weights(lengths, "token-mean", int(mask.sum()), len(lengths), mask.shape[1])
+    return gv.token_weights(lengths, 1, "token-mean", int(mask.sum()), len(lengths), mask.shape[1])
 
 
 def check(mine, value, grad, mask, lengths):

@@ -43,6 +43,10 @@ def check_args(args, world_size: int, method_checks=()) -> None:
         args.vllm_is_cap == 0 or args.vllm_is_cap >= 1,
         f"--vllm-is-cap must be 0 (off) or >= 1 (got {args.vllm_is_cap}): below 1 it scales down matching tokens too",
     )
+    check(
+        0 <= args.vllm_is_min <= 1,
+        f"--vllm-is-min must be in [0, 1] (got {args.vllm_is_min}): above 1 it moves or drops matching tokens too",
+    )
     tp, engines = args.vllm_tensor_parallel_size, args.rollout_ranks or world_size  # the engines' ranks
     check(args.use_vllm or tp == 1, "--vllm-tensor-parallel-size > 1 needs vLLM (drop --no-use-vllm)")
     check(

@@ -3,7 +3,6 @@
 
 import importlib.metadata
 import json
-import math
 import os
 import subprocess
 from dataclasses import asdict
@@ -29,12 +28,18 @@ def rollout_sums(rewards: torch.Tensor, graded: list, samples: list) -> dict:
     }
 
 
-def sampler_sums(old_logp, sampler_logp, cap: float) -> dict:
+def sampler_sums(old_logp, sampler_logp, is_weights: list) -> dict:
     """This rank's sums for the rollout/ metrics of the sampler's log-probs against the trainer's (old_logp) over the
-    sampled tokens: |difference|, the rollout correction's weight min(ratio, cap) and how many exceed cap (0: none)."""
-    ratio, cap = torch.exp(old_logp.float() - sampler_logp), cap or math.inf
+    sampled tokens: |difference|, and the rollout correction's (is_weights: (weights, truncated, masked) per
+    micro-batch, utils/rollout_correction.py) weight, truncated and masked tokens."""
     gap = (sampler_logp - old_logp.float()).abs().sum().item()
-    return {"gap": gap, "is_clipped": (ratio > cap).sum().item(), "is_weight": ratio.clamp(max=cap).sum().item()}
+    weights, truncated, masked = (torch.cat(part) for part in zip(*is_weights))
+    return {
+        "gap": gap,
+        "is_weight": weights.sum().item(),
+        "is_clipped": truncated.sum().item(),
+        "is_masked": masked.sum().item(),
+    }
 
 
 # the tokens whose ratio r = pi / pi_old lies above 1 + eps_high or below 1 - eps_low, by the sign of A
@@ -102,12 +107,13 @@ def step_metrics(summed: dict, args, grad_norms: list, skipped: int, scheduler, 
         "charts/tokens_per_second": (summed["tokens"] + summed["prompt_tokens"]) / step_time,
         "charts/padding_frac": 1 - (summed["tokens"] + summed["prompt_tokens"]) / summed["positions"],
     }
-    if "gap" in summed:  # a vLLM sampler: its log-probs against the trainer's
+    if "gap" in summed:  # the sampler's log-probs against the trainer's; the rollout correction's weights
         metrics["rollout/vllm_logprob_gap"] = summed["gap"] / summed["tokens"]
-        metrics["rollout/is_weight_mean"] = (
-            summed["is_weight"] / summed["tokens"]
-        )  # min(ratio, C) over the sampled tokens
-        metrics["rollout/is_clipped_frac"] = summed["is_clipped"] / summed["tokens"]
+        metrics["rollout/is_weight_mean"] = summed["is_weight"] / summed["tokens"]
+        metrics["rollout/is_clipped_frac"] = summed["is_clipped"] / summed["tokens"]  # truncated to a bound
+        metrics["rollout/is_masked_frac"] = summed["is_masked"] / summed["tokens"]  # weight 0
+    if args.mask_truncated:  # the responses out of the loss
+        metrics["rollout/masked_truncated_frac"] = summed["truncated"] / summed["seqs"]
     if args.rollout_ranks:  # the trainers' wait for the step's batch (the generation not hidden behind training)
         metrics["time/rollout_wait"] = summed["rollout_wait"] / args.world_size
     if args.kl_coef > 0:  # the reference policy

@@ -20,7 +20,8 @@ TRL: checked, the differences printed by token); TRL's optimizer steps when a ge
 mini-batches (GRPOTrainer.training_step through transformers' Trainer.training_step: checked against ours times
 spg N_step / (ga N_gen)); the per-token weights of an optimizer step under verl 0.9.1 (checked equal to our --loss-agg
 modes) and CE-GPPO's fork (printed) on mini-batches laid out as its 1.5B script lays them.
-Setup and result: benchmarks/results/reference_losses.txt.
+Setup and result: benchmarks/results/reference_losses.txt. The rollout correction's modes, the KL estimators and the
+plain entropy bonus against TRL's and verl's code: reference_corrections.py beside this file, the same write / check.
 
     python -m benchmarks.experiments.reference_losses write /tmp/ref.pt --cegppo-core-algos cegppo_core_algos.py \
         --lpreg-core-algos lpreg_core_algos.py --lpreg-dp-actor lpreg_dp_actor.py --torch-functional lpreg_tf.py \
@@ -575,7 +576,7 @@ def check(a) -> int:
     print(f"references: {data['versions']}; files sha256[:16] {data['sources']}")
     for c in data["cases"]:
         logp, mask, n, p = c["logp"].clone().requires_grad_(), c["mask"], c["lengths"], c["params"]
-        token_weights = partial(script(c["family"]).token_weights, n, n_tokens=int(mask.sum()), n_seqs=len(n))
+        token_weights = partial(script(c["family"]).token_weights, n, 1, n_tokens=int(mask.sum()), n_seqs=len(n))
         w = token_weights(loss_agg="token-mean", max_len=mask.shape[1])  # the clip fractions' weights
         weights = token_weights(loss_agg=p.get("agg", "token-mean"), max_len=mask.shape[1])  # the loss's
         token_loss, metrics, selected = ours(c, logp[mask], w)
@@ -690,7 +691,7 @@ def aggregation(layouts: list, token_weights) -> list:
     for lay in layouts:
         L, weights = lay["response"].flatten(), {k: v.flatten() for k, v in lay["weights"].items()}
         N, S, first = int(L.sum()), len(L), torch.cumsum(L, 0) - L
-        ours = {mode: token_weights(L, mode, N, S, H)[first].double() for mode in LOSS_AGG}
+        ours = {mode: token_weights(L, 1, mode, N, S, H)[first].double() for mode in LOSS_AGG}
         pairs = [("verl token-mean", "token-mean"), ("verl seq-mean-token-mean", "seq-mean-token-mean")]
         pairs.append(("verl seq-mean-token-sum-norm 16384", "seq-mean-token-sum-norm"))
         rel = max(((weights[v] - ours[o]).abs() / ours[o]).max().item() for v, o in pairs)
