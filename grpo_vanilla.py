@@ -4,7 +4,7 @@ The baseline of the entropy methods (Shao et al. 2024, arXiv 2402.03300), as ver
 1. G responses per prompt; A = (R - mean_group R) / std_group R for every token of a response.
 2. Per-token PPO-clip loss on the ratio to the sampling policy, averaged over the optimizer mini-batch of all ranks
    (--loss-agg): the update depends neither on the micro-batch size nor on the number of GPUs.
-3. No value model; a k3 KL to the initial policy only with --kl-coef > 0.
+3. No value model; a KL to the initial policy (--kl-estimator) only with --kl-coef > 0.
 grpo_aent.py, grpo_klcov.py, grpo_clipcov.py, grpo_entadv.py, grpo_cispo.py, grpo_cegppo.py, grpo_lpreg.py,
 grpo_sapo.py, grpo_gspo.py and grpo_wreinforce.py are this file plus their method: `diff` them.
 
