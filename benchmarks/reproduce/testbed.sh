@@ -28,6 +28,9 @@
 #   METHODS="grpo_vanilla grpo_sapo grpo_gspo grpo_wreinforce" OUT=runs/testbed_variants \
 #     RESULTS=benchmarks/results/testbed/variants bash benchmarks/reproduce/testbed.sh   # SAPO, GSPO, W-REINFORCE
 #   (and with TESTBED=fork, RESULTS=benchmarks/results/testbed/fork_variants: on the fork testbed)
+#   METHODS="grpo_vanilla grpo_aent grpo_aent_linear grpo_aent_plain" OUT=runs/testbed_schedule \
+#     RESULTS=benchmarks/results/testbed/schedule bash benchmarks/reproduce/testbed.sh   # AEnt's schedule, plain bonus
+#   (and with TESTBED=fork, RESULTS=benchmarks/results/testbed/fork_schedule: on the fork testbed)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -124,6 +127,12 @@ method_flags() {
     # the same entropy; the range [0, 0.5] is grpo_aent's (TRL: [0, 1])
     grpo_aent_target) echo "grpo_aent --coef-rule target --clamp-p 0 --entropy-target 0.09 --entropy-coef 0
                             --entropy-coef-delta 0.005 --entropy-coef-min 0 --entropy-coef-max 0.5" ;;
+    # AEnt's coefficient on a schedule (issue 59; chosen before its runs): grpo_aent's coef_0 (0.05) annealed linearly
+    # to 0 over the run, no controller (Entrocraft's best schedule: linear annealing), the clamped entropy as grpo_aent
+    grpo_aent_linear) echo "grpo_aent --coef-rule linear --clamp-p 0.33 --entropy-coef 0.05 --entropy-coef-end 0" ;;
+    # the plain entropy bonus (verl's entropy_coeff, the baseline AEnt's paper argues against): the full entropy at
+    # grpo_aent's coef_0, constant
+    grpo_aent_plain) echo "grpo_aent --coef-rule constant --clamp-p 0 --entropy-coef 0.05" ;;
     # DAPO's clip-higher, the Cov authors' second baseline (their 7b_cliphigher.sh): the upper clip 0.28
     grpo_vanilla_cliphigher) echo "grpo_vanilla --clip-eps-high 0.28" ;;
     # the control of grpo_aent_top20 (one seed of three exploded): the same flags, the bonus and the coefficient's
