@@ -91,6 +91,11 @@ CHANGED = {
         "validate_args": ["check_args(args, world_size, method_checks=[])"],
         "__main__": ["advantages = group_advantages(rewards, args.scale_rewards).flatten()"],
     },
+    "grpo_passk.py": {
+        "Args": [],
+        "validate_args": ["check_args(args, world_size, method_checks=[])"],
+        "__main__": ["advantages = group_advantages(rewards, args.scale_rewards).flatten()"],
+    },
 }
 # a method file not listed above (a user's own): its Args and validate_args may only add lines (the flags, the
 # method's checks before check_args); its main loop is not checked line by line (None)
@@ -279,6 +284,7 @@ METHOD_CONDITIONALS = {
     "grpo_sapo.py": 0,
     "grpo_gspo.py": 0,
     "grpo_wreinforce.py": 1,  # the authors' entropy bonus (off by default)
+    "grpo_passk.py": 0,
 }
 
 

@@ -78,6 +78,7 @@ RUNS = {
         "grpo_wreinforce.py",
         {"wr-entropy-coef": 0.001, "loss-agg": "seq-mean-token-sum-norm"},
     ),
+    "passk": ("grpo_passk.py", {"passk-k": 2}),
     "vanilla_rollout_rank_stale": (
         "grpo_vanilla.py",
         {"rollout-ranks": 1, "max-staleness": 1, "vllm": True, "nproc": 2, "total-steps": 2},

@@ -7,7 +7,10 @@ entropy bonus (grpo_aent.py, --clamp-p 0 --coef-rule constant) against the frame
 - verl 0.9.1: rollout_corr_helper.compute_rollout_correction_weights (rollout_is token / sequence, a single threshold
   (TIS) or "low_cap" (IcePop)), compute_rollout_rejection_mask (seq_mean_k1, the geometric mean), core_algos.kl_penalty
   (k1, k2, low_var_kl, k1+, k3+), and the plain entropy bonus as workers/utils/losses.ppo_loss makes it:
-  entropy_coeff x agg_loss(entropy_from_logits(logits)) (token-mean, seq-mean-token-mean).
+  entropy_coeff x agg_loss(entropy_from_logits(logits)) (token-mean, seq-mean-token-mean);
+- Pass@k Training's advantage (grpo_passk.py): the authors' compute_advantage and calc_adv (RUCAIBox/Passk_Training
+  c3ba575 code/passk_adv.py, its text executed unchanged beside numpy and scipy's comb; `--passk-adv FILE`) on every
+  count of correct responses in groups of 4, 8 and 16, k 1, 2, 4 and the group size.
 Values (and gradients with respect to the log-probs or logits) per valid token, and the masked sets, on micro-batches
 of 8 responses of 1 to 16 tokens, log-ratios 0.4 N(0, 1) with spikes of +-1.5 and one of +-25 (beyond the +-20 clamp of
 ours and verl's; TRL clamps nothing, so there its tiny weights differ below 1e-8).
@@ -15,16 +18,19 @@ ours and verl's; TRL clamps nothing, so there its tiny weights differ below 1e-8
 venv) runs ours on them, prints the largest differences and exits 1 beyond tolerance. Result:
 benchmarks/results/reference_corrections.txt.
 
-    python -m benchmarks.experiments.reference_corrections write /tmp/corr.pt
+    python -m benchmarks.experiments.reference_corrections write /tmp/corr.pt --passk-adv passk_adv.py
     python -m benchmarks.experiments.reference_corrections check /tmp/corr.pt
 """
 
 import argparse
 import ast
+import contextlib
 import inspect
+import io
 import math
 import sys
 import types
+from collections import defaultdict
 
 import torch
 
@@ -65,7 +71,32 @@ def statements(source_file: str, function: str, first: str, last: str, containin
     return compile(ast.Module(body=body[start : end + 1], type_ignores=[]), source_file, "exec")
 
 
-def write(path: str) -> None:
+def passk_cases(path: str) -> list:
+    """The authors' Pass@k advantage (compute_advantage over calc_adv, as their verl hook calls it: a reward on each
+    response's last token, the group by `index`) on every count of correct responses, groups of 4, 8 and 16."""
+    import numpy as np
+    from scipy.special import comb
+
+    ns = dict(np=np, torch=torch, comb=comb, defaultdict=defaultdict)
+    tree = ast.parse(open(path).read())
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name in ("calc_adv", "compute_advantage"):
+            exec(compile(ast.Module(body=[node], type_ignores=[]), path, "exec"), ns)
+    cases = []
+    for G in (4, 8, 16):
+        rewards = torch.tensor([[float(i < c) for i in range(G)] for c in range(G + 1)])  # one group per count
+        lengths = torch.randint(1, 9, (rewards.numel(),), generator=torch.Generator().manual_seed(G))
+        mask = (torch.arange(8)[None, :] < lengths[:, None]).float()
+        scores = torch.zeros(rewards.numel(), 8).scatter(1, (lengths - 1)[:, None], rewards.flatten()[:, None])
+        index = [f"prompt{p}" for p in range(G + 1) for _ in range(G)]
+        for k in sorted({1, 2, 4, G}):
+            with contextlib.redirect_stdout(io.StringIO()):  # their function prints each group's indices
+                adv, _ = ns["compute_advantage"](scores.clone(), mask, index, k)
+            cases.append(dict(G=G, k=k, rewards=rewards, advantages=adv[:, 0].reshape(G + 1, G)))
+    return cases
+
+
+def write(path: str, passk_adv: str | None) -> None:
     import trl.trainer.grpo_trainer as grpo
     from verl.trainer.ppo import core_algos, rollout_corr_helper
     from verl.utils import torch_functional as verl_F
@@ -127,7 +158,8 @@ def write(path: str) -> None:
             cases.append(
                 dict(seed=seed, ref="verl", bonus=agg, logits=logits.detach(), value=bonus.detach(), grad=x.grad)
             )
-    torch.save({"inputs": {s: micro_batch(s) for s in SEEDS}, "cases": cases}, path)
+    passk = passk_cases(passk_adv) if passk_adv else []
+    torch.save({"inputs": {s: micro_batch(s) for s in SEEDS}, "cases": cases, "passk": passk}, path)
     print(f"{len(cases)} cases written to {path}")
 
 
@@ -176,6 +208,15 @@ def check(path: str) -> int:
         worst[family] = max(worst.get(family, 0.0), diff)
         if not ok:
             failures.append(f"{family} seed {c['seed']} {c.get('low', '')} {c.get('cap', '')}")
+    import grpo_passk as gp
+
+    for c in data["passk"]:
+        family = "passk (authors' compute_advantage)"
+        ours = gp.passk_advantages(c["rewards"], c["k"])
+        worst[family] = max(worst.get(family, 0.0), (ours - c["advantages"]).abs().max().item())
+        if not torch.allclose(ours, c["advantages"], rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL):
+            failures.append(f"{family} G {c['G']} k {c['k']}")
+    print(f"{len(data['passk'])} Pass@k cases (groups of 4, 8, 16: every count of correct responses; k 1, 2, 4, G)")
     for family, diff in worst.items():
         masked = f", {masked_tokens[family]} tokens masked" if "mask" in family else ""
         print(f"{family:45s} largest |ours - theirs| {diff:.2e}{masked}")
@@ -188,5 +229,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=["write", "check"])
     parser.add_argument("path")
+    parser.add_argument("--passk-adv", help="write: the authors' code/passk_adv.py (RUCAIBox/Passk_Training c3ba575)")
     a = parser.parse_args()
-    sys.exit(write(a.path) if a.command == "write" else check(a.path))
+    sys.exit(write(a.path, a.passk_adv) if a.command == "write" else check(a.path))
