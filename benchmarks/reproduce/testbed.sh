@@ -30,7 +30,9 @@
 #   (and with TESTBED=fork, RESULTS=benchmarks/results/testbed/fork_variants: on the fork testbed)
 #   METHODS="grpo_vanilla grpo_aent grpo_aent_linear grpo_aent_plain" OUT=runs/testbed_schedule \
 #     RESULTS=benchmarks/results/testbed/schedule bash benchmarks/reproduce/testbed.sh   # AEnt's schedule, plain bonus
-#   (and with TESTBED=fork, RESULTS=benchmarks/results/testbed/fork_schedule: on the fork testbed)
+#   TESTBED=fork METHODS="grpo_vanilla grpo_aent grpo_aent_linear grpo_aent_plain grpo_passk grpo_vanilla_kl" \
+#     OUT=runs/testbed_fork_schedule RESULTS=benchmarks/results/testbed/fork_schedule \
+#     bash benchmarks/reproduce/testbed.sh                      # the schedule and plain bonus, and the two controls
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -133,6 +135,11 @@ method_flags() {
     # the plain entropy bonus (verl's entropy_coeff, the baseline AEnt's paper argues against): the full entropy at
     # grpo_aent's coef_0, constant
     grpo_aent_plain) echo "grpo_aent --coef-rule constant --clamp-p 0 --entropy-coef 0.05" ;;
+    # issue 60's two controls on the fork testbed (chosen before their runs): Pass@k Training at k 4 of the group of 8
+    # (the method's default), and GRPO with the k3 KL to the initial policy at the GRPO paper's 0.04 (a per-token
+    # coefficient of a per-token KL in nats: unscaled)
+    grpo_passk) echo "--passk-k 4" ;;
+    grpo_vanilla_kl) echo "grpo_vanilla --kl-coef 0.04" ;;
     # DAPO's clip-higher, the Cov authors' second baseline (their 7b_cliphigher.sh): the upper clip 0.28
     grpo_vanilla_cliphigher) echo "grpo_vanilla --clip-eps-high 0.28" ;;
     # the control of grpo_aent_top20 (one seed of three exploded): the same flags, the bonus and the coefficient's
