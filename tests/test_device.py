@@ -79,6 +79,11 @@ RUNS = {
         {"wr-entropy-coef": 0.001, "loss-agg": "seq-mean-token-sum-norm"},
     ),
     "passk": ("grpo_passk.py", {"passk-k": 2}),
+    "vanilla_geo_mask_kl_is_masked": (
+        "grpo_vanilla.py",
+        {"rollout-correction": "geo-mask", "vllm-is-min": 0.5, "kl-coef": 0.01, "kl-estimator": "k3-is"}
+        | {"mask-truncated": True, "max-response-length": 28},
+    ),
     "vanilla_rollout_rank_stale": (
         "grpo_vanilla.py",
         {"rollout-ranks": 1, "max-staleness": 1, "vllm": True, "nproc": 2, "total-steps": 2},
