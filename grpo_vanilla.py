@@ -6,7 +6,7 @@ The baseline of the entropy methods (Shao et al. 2024, arXiv 2402.03300), as ver
    (--loss-agg): the update depends neither on the micro-batch size nor on the number of GPUs.
 3. No value model; a KL to the initial policy (--kl-estimator) only with --kl-coef > 0.
 grpo_aent.py, grpo_klcov.py, grpo_clipcov.py, grpo_entadv.py, grpo_cispo.py, grpo_cegppo.py, grpo_lpreg.py,
-grpo_sapo.py, grpo_gspo.py and grpo_wreinforce.py are this file plus their method: `diff` them.
+grpo_sapo.py, grpo_gspo.py, grpo_wreinforce.py and grpo_passk.py are this file plus their method: `diff` them.
 
     deepspeed --num_gpus 8 grpo_vanilla.py --model-name-or-path Qwen/Qwen2.5-Math-1.5B --dataset <train file>
 """
