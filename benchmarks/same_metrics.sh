@@ -4,7 +4,8 @@
 #   git worktree add /tmp/before <commit>
 #   bash benchmarks/same_metrics.sh /tmp/before . runs/same_metrics
 # What it showed at each restructuring: results/redesign.md (the four scripts), results/same_metrics_utils_split.md
-# (utils/ by concern), results/same_metrics_house.md (one sampler, utils/ and benchmarks/ by what they hold).
+# (utils/ by concern), results/same_metrics_house.md (one sampler, utils/ and benchmarks/ by what they hold),
+# results/same_metrics_corrections.md (the rollout-correction modes, KL estimators, --mask-truncated).
 # ALLOW_NEW=1: metrics only the after side logs (a change that adds metrics) are listed, not a failure.
 # ONLY="aent_mb2 aent_z3_2p": run only these configurations.
 # 22 configurations: each method, the single-update path (no log-prob pass), a reference-KL run, the reference's
