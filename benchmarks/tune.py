@@ -164,13 +164,8 @@ def main(argv=None) -> int:
         return values
 
     done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-    if done < a.trials:
-        # each worker takes trials until the study holds the budget's complete trials
-        def budget_left(study, _trial):
-            if len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))) >= a.trials:
-                study.stop()
-
-        study.optimize(objective, n_trials=a.trials - done, n_jobs=a.parallel, callbacks=[budget_left], catch=())
+    if done < a.trials:  # the workers take exactly the trials the budget still lacks (a failed one stops the study)
+        study.optimize(objective, n_trials=a.trials - done, n_jobs=a.parallel, catch=())
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     print(f"{a.method}: {len(complete)} complete trials; the Pareto front:")
     for t in study.best_trials:

@@ -13,22 +13,20 @@ has k3 alone; benchmarks/experiments/reference_corrections.py runs both):
 
 import torch
 
-ESTIMATORS = ("k1", "k2", "k3", "k1+", "k3+", "k3-is")
-
 
 def kl_penalty(logp, ref_logp, old_logp, estimator: str) -> torch.Tensor:
     """The per-token KL estimate of `estimator` for the current log-probs `logp` (with gradient), the reference
     policy's `ref_logp` and the sampling policy's `old_logp` (k3-is only)."""
     d = logp - ref_logp
+    if estimator == "k2":
+        return 0.5 * d.square()
     if estimator.startswith("k1"):
         value = d
-    elif estimator == "k2":
-        return 0.5 * d.square()
     else:
-        d = d.clamp(-20.0, 20.0)
-        value = (torch.exp(-d) + d - 1).clamp(-10.0, 10.0)
+        clamped = d.clamp(-20.0, 20.0)
+        value = (torch.exp(-clamped) + clamped - 1).clamp(-10.0, 10.0)
     if estimator.endswith("+"):  # straight through: k2's gradient, this value
-        k2 = 0.5 * (logp - ref_logp).square()
+        k2 = 0.5 * d.square()
         return k2 - k2.detach() + value.detach()
     if estimator == "k3-is":
         return value * torch.exp(logp - old_logp)

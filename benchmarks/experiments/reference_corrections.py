@@ -77,11 +77,9 @@ def passk_cases(path: str) -> list:
     import numpy as np
     from scipy.special import comb
 
-    ns = dict(np=np, torch=torch, comb=comb, defaultdict=defaultdict)
-    tree = ast.parse(open(path).read())
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name in ("calc_adv", "compute_advantage"):
-            exec(compile(ast.Module(body=[node], type_ignores=[]), path, "exec"), ns)
+    from benchmarks.experiments.reference_losses import authors
+
+    theirs = authors(path, ["calc_adv", "compute_advantage"], np=np, torch=torch, comb=comb, defaultdict=defaultdict)
     cases = []
     for G in (4, 8, 16):
         rewards = torch.tensor([[float(i < c) for i in range(G)] for c in range(G + 1)])  # one group per count
@@ -91,7 +89,7 @@ def passk_cases(path: str) -> list:
         index = [f"prompt{p}" for p in range(G + 1) for _ in range(G)]
         for k in sorted({1, 2, 4, G}):
             with contextlib.redirect_stdout(io.StringIO()):  # their function prints each group's indices
-                adv, _ = ns["compute_advantage"](scores.clone(), mask, index, k)
+                adv, _ = theirs.compute_advantage(scores.clone(), mask, index, k)
             cases.append(dict(G=G, k=k, rewards=rewards, advantages=adv[:, 0].reshape(G + 1, G)))
     return cases
 
