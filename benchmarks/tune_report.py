@@ -1,0 +1,168 @@
+"""The equal-budget study's report (benchmarks/results/tune/PLAN.md): each method's trials and Pareto front, read from
+its journal and its trials' runs, the one point per method the plan's scalarisation picks, and the fronts' picture.
+
+    python -m benchmarks.tune_report --journals benchmarks/results/tune --runs runs/tune --out benchmarks/results/tune
+
+Writes <out>/trials.jsonl (every complete trial: its flags and its last evaluation, so that the report can be read
+without the runs), <out>/README.md (the fronts, the picked points, the confirmation's command) and <out>/fronts.png.
+"""
+
+import argparse
+import glob
+import json
+import os
+
+from benchmarks.tune import OBJECTIVES
+
+MAJORITY, MINORITY = OBJECTIVES
+MAJORITY_PASS = "eval/majority/pass@16"
+MARGIN = 0.05  # the plan's scalarisation: majority mean@16 at least vanilla's best minus this
+
+
+def overall_pass(row: dict) -> float:
+    """The plan's overall pass@16: the mean of the two kinds' pass@16 (100 problems each)."""
+    return (row[MAJORITY_PASS] + row[MINORITY]) / 2
+
+
+def read_trials(journal: str, runs: str) -> list:
+    """One row per complete trial of the journal's study: its number, flags and objectives, and the run's evaluations
+    at step 0 (the base policy) and at its last evaluation (every eval/ metric)."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+    from optuna.trial import TrialState
+
+    method = os.path.basename(journal).removesuffix(".log")
+    study = optuna.load_study(study_name=method, storage=JournalStorage(JournalFileBackend(journal)))
+    front = {t.number for t in study.best_trials}
+    rows = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        paths = glob.glob(os.path.join(runs, method, f"trial_{t.number}", "*", "metrics.jsonl"))
+        if len(paths) != 1:
+            where = os.path.join(runs, method, f"trial_{t.number}")
+            raise SystemExit(f"error: {method} trial {t.number}: {len(paths)} runs (metrics.jsonl) in {where}, not 1")
+        (path,) = paths
+        evals = [r for r in map(json.loads, open(path)) if MINORITY in r]
+        keep = lambda r: {k: v for k, v in r.items() if k == "step" or k.startswith("eval/")}  # noqa: E731
+        rows.append(
+            {"method": method, "trial": t.number, "flags": t.params, "values": t.values, "front": t.number in front,
+             "base": keep(evals[0]), "last": keep(evals[-1])}
+        )  # fmt: skip
+    return rows
+
+
+def pick(rows: list, floor: float) -> dict | None:
+    """The plan's point: the highest overall pass@16 among the trials whose majority mean@16 >= floor; ties: the higher
+    majority mean@16. None if no trial reaches the floor."""
+    eligible = [r for r in rows if r["last"][MAJORITY] >= floor]
+    return max(eligible, key=lambda r: (overall_pass(r["last"]), r["last"][MAJORITY]), default=None)
+
+
+def flag_text(flags: dict) -> str:
+    return " ".join(f"--{k} {v:.4g}" if isinstance(v, float) else f"--{k} {v}" for k, v in sorted(flags.items()))
+
+
+def plot(rows: list, floor: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    colors = plt.get_cmap("tab20")
+    fig, ax = plt.subplots(figsize=(8, 6))
+    for i, m in enumerate(methods):
+        own = [r for r in rows if r["method"] == m]
+        color = "black" if m == "grpo_vanilla" else colors(2 * i % 20 + 2 * i // 20)  # the dark shades first
+        front = sorted((r["last"][MINORITY], r["last"][MAJORITY]) for r in own if r["front"])
+        dots = [(r["last"][MINORITY], r["last"][MAJORITY]) for r in own]
+        ax.scatter(*zip(*dots), color=color, s=12, alpha=0.35)
+        ax.plot(*zip(*front), "o-", color=color, label=m.removeprefix("grpo_"), lw=2.5 if m == "grpo_vanilla" else 1.2)
+    base = rows[0]["base"]
+    ax.scatter([base[MINORITY]], [base[MAJORITY]], marker="*", s=250, color="gold", edgecolor="black", zorder=5,
+               label="base policy (step 0)")  # fmt: skip
+    ax.axhline(floor, color="gray", ls="--", lw=1, label="the scalarisation's floor")
+    ax.set_xlabel("minority pass@16 (the rare procedure kept)")
+    ax.set_ylabel("majority mean@16 (the common procedure learned)")
+    ax.set_title(f"Each method's Pareto front after {rows[0]['last']['step']} steps (dots: every trial)")
+    ax.legend(fontsize=8, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def vanilla_floor(rows: list) -> float:
+    """The scalarisation's floor: vanilla's best majority mean@16 (the best on its front) minus the margin."""
+    vanilla = [r["last"][MAJORITY] for r in rows if r["method"] == "grpo_vanilla"]
+    if not vanilla:
+        raise SystemExit("error: no complete grpo_vanilla trial: the scalarisation's floor is vanilla's best")
+    return max(vanilla) - MARGIN
+
+
+def report(rows: list, floor: float) -> str:
+    """The markdown report: per method its trials, front and picked point; the confirmation's command."""
+    base = rows[0]["base"]
+    lines = [
+        "# The equal-budget study: results (plan: PLAN.md)",
+        "",
+        f"Base policy (step 0): majority mean@16 {base[MAJORITY]:.3f}, minority pass@16 {base[MINORITY]:.3f}, "
+        f"overall pass@16 {overall_pass(base):.3f}. Floor of the scalarisation: vanilla's best majority mean@16 "
+        f"{floor + MARGIN:.3f} - {MARGIN} = {floor:.3f}. Objectives at step {rows[0]['last']['step']}, seed 1.",
+        "",
+        "| method | trials | front (majority mean@16 / minority pass@16) | picked: overall pass@16 | majority "
+        "| minority | its flags |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    confirm = []
+    for m in dict.fromkeys(r["method"] for r in rows):
+        own = [r for r in rows if r["method"] == m]
+        front = sorted((r for r in own if r["front"]), key=lambda r: r["last"][MINORITY])
+        shown = ", ".join(f"{r['last'][MAJORITY]:.3f} / {r['last'][MINORITY]:.2f}" for r in front)
+        best = pick(own, floor)
+        if best is None:
+            lines.append(f"| {m} | {len(own)} | {shown} | none within {MARGIN} of vanilla's majority | | | |")
+            continue
+        last = best["last"]
+        lines.append(
+            f"| {m} | {len(own)} | {shown} | {overall_pass(last):.3f} (trial {best['trial']}) | {last[MAJORITY]:.3f} "
+            f"| {last[MINORITY]:.3f} | `{flag_text(best['flags'])}` |"
+        )
+        # vanilla keeps its name (compare.py's baseline); a variant's flags start with the script it runs
+        name, script = (m, "") if m == "grpo_vanilla" else (f"{m}_tuned", m.removesuffix("_top") + " ")
+        confirm.append(f'METHOD_FLAGS_{name}="{script}{flag_text(best["flags"])}"')
+    names = " ".join(c.split("=")[0].removeprefix("METHOD_FLAGS_") for c in confirm)
+    lines += [
+        "",
+        "The confirmation (PLAN.md: 200 steps, seeds 11-13, each picked point beside vanilla's):",
+        "",
+        "    " + " \\\n    ".join([*confirm, "TESTBED=fork SEEDS=\"11 12 13\" OUT=runs/testbed_tuned",
+                                   f'METHODS="{names}" bash benchmarks/reproduce/testbed.sh']),
+        "",
+    ]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--journals", default="benchmarks/results/tune", help="the folder of the study's <method>.log files")
+    p.add_argument("--runs", default="runs/tune", help="the tuner's --output-dir (the trials' runs)")
+    p.add_argument("--out", default="benchmarks/results/tune")
+    a = p.parse_args(argv)
+    journals = sorted(glob.glob(os.path.join(a.journals, "grpo_*.log")))
+    if not journals:
+        raise SystemExit(f"error: no study journal (grpo_*.log) in {a.journals}")
+    rows = [r for j in journals for r in read_trials(j, a.runs)]
+    rows.sort(key=lambda r: (r["method"] != "grpo_vanilla", r["method"], r["trial"]))  # vanilla first: the reference
+    floor = vanilla_floor(rows)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "trials.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    with open(os.path.join(a.out, "README.md"), "w") as f:
+        f.write(report(rows, floor))
+    plot(rows, floor, os.path.join(a.out, "fronts.png"))
+    print(open(os.path.join(a.out, "README.md")).read())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
