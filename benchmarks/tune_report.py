@@ -58,8 +58,10 @@ def pick(rows: list, floor: float) -> dict | None:
     return max(eligible, key=lambda r: (overall_pass(r["last"]), r["last"][MAJORITY]), default=None)
 
 
-def flag_text(flags: dict) -> str:
-    return " ".join(f"--{k} {v:.4g}" if isinstance(v, float) else f"--{k} {v}" for k, v in sorted(flags.items()))
+def flag_text(flags: dict, exact: bool = False) -> str:
+    """The trial's flags as command-line text: as tune.py passed them (exact) or rounded to 4 digits (to read)."""
+    show = lambda v: f"{v:.4g}" if isinstance(v, float) and not exact else str(v)  # noqa: E731
+    return " ".join(f"--{k} {show(v)}" for k, v in sorted(flags.items()))
 
 
 def plot(rows: list, floor: float, path: str) -> None:
@@ -129,7 +131,7 @@ def report(rows: list, floor: float) -> str:
         )
         # vanilla keeps its name (compare.py's baseline); a variant's flags start with the script it runs
         name, script = (m, "") if m == "grpo_vanilla" else (f"{m}_tuned", m.removesuffix("_top") + " ")
-        confirm.append(f'METHOD_FLAGS_{name}="{script}{flag_text(best["flags"])}"')
+        confirm.append(f'METHOD_FLAGS_{name}="{script}{flag_text(best["flags"], exact=True)}"')
     names = " ".join(c.split("=")[0].removeprefix("METHOD_FLAGS_") for c in confirm)
     lines += [
         "",
