@@ -137,7 +137,8 @@ def report(rows: list, floor: float) -> str:
         "",
         "The confirmation (PLAN.md: 200 steps, seeds 11-13, each picked point beside vanilla's):",
         "",
-        "    " + " \\\n    ".join([*confirm, "TESTBED=fork SEEDS=\"11 12 13\" OUT=runs/testbed_tuned",
+        "    " + " \\\n    ".join([*confirm, 'TESTBED=fork SEEDS="11 12 13" OUT=runs/testbed_tuned',
+                                   "RESULTS=benchmarks/results/tune/confirmation",
                                    f'METHODS="{names}" bash benchmarks/reproduce/testbed.sh']),
         "",
     ]  # fmt: skip
