@@ -74,6 +74,7 @@ def test_fronts_picks_and_the_confirmation_command(tmp_path):
     cispo_runs = [c for c in launches if "grpo_cispo.py" in c]
     assert all("--clip-eps-high 0.3 --exp-name grpo_cispo_tuned" in c for c in cispo_runs)
     assert {c.split("--seed ")[1].split()[0] for c in launches} == {"11", "12", "13"}
+    assert "--output-dir benchmarks/results/tune/confirmation" in dry.stdout  # not the main testbed's results
 
 
 def test_no_vanilla_study_is_a_one_line_error(tmp_path):
