@@ -12,7 +12,7 @@ import glob
 import json
 import os
 
-from benchmarks.tune import OBJECTIVES
+from benchmarks.tune import OBJECTIVES, suggest
 
 MAJORITY, MINORITY = OBJECTIVES
 MAJORITY_PASS = "eval/majority/pass@16"
@@ -25,8 +25,9 @@ def overall_pass(row: dict) -> float:
 
 
 def read_trials(journal: str, runs: str) -> list:
-    """One row per complete trial of the journal's study: its number, flags and objectives, and the run's evaluations
-    at step 0 (the base policy) and at its last evaluation (every eval/ metric)."""
+    """One row per complete trial of the journal's study: its number, its flags (made from its drawn values as the tuner
+    made them: AEnt's box in order, KL-Cov's mini-batches), objectives, and the run's evaluations at step 0 (the base
+    policy) and at its last evaluation (every eval/ metric)."""
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
@@ -42,10 +43,14 @@ def read_trials(journal: str, runs: str) -> list:
             where = os.path.join(runs, method, f"trial_{t.number}")
             raise SystemExit(f"error: {method} trial {t.number}: {len(paths)} runs (metrics.jsonl) in {where}, not 1")
         (path,) = paths
+        flags = suggest(optuna.trial.FixedTrial(t.params), method)
+        ran = os.path.join(runs, method, f"trial_{t.number}", "command.txt")  # the tuner's record of the command
+        if os.path.exists(ran) and not all(f" --{k} {v} " in f" {open(ran).read().strip()} " for k, v in flags.items()):
+            raise SystemExit(f"error: {ran} does not hold the flags {flag_text(flags, exact=True)}")
         evals = [r for r in map(json.loads, open(path)) if MINORITY in r]
         keep = lambda r: {k: v for k, v in r.items() if k == "step" or k.startswith("eval/")}  # noqa: E731
         rows.append(
-            {"method": method, "trial": t.number, "flags": t.params, "values": t.values, "front": t.number in front,
+            {"method": method, "trial": t.number, "flags": flags, "values": t.values, "front": t.number in front,
              "base": keep(evals[0]), "last": keep(evals[-1])}
         )  # fmt: skip
     return rows

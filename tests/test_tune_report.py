@@ -8,25 +8,36 @@ import subprocess
 
 import optuna
 import pytest
-from optuna.distributions import FloatDistribution
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 
-from benchmarks import tune_report
+from benchmarks import tune, tune_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = {"eval/majority/mean_acc": 0.48, "eval/majority/pass@16": 0.99, "eval/minority/pass@16": 0.84}
 
 
+def distributions(method):
+    """Each flag's distribution as tune.suggest draws it (the journal stores a value with its distribution)."""
+    out = {}
+    for flag, (kind, *spec) in {**tune.SPACES[method], **tune.SHARED}.items():
+        if kind == "choice":
+            out[flag] = CategoricalDistribution(spec[0])
+        else:
+            out[flag] = (IntDistribution if kind == "int" else FloatDistribution)(spec[0], spec[1], log=kind == "log")
+    return out
+
+
 def make_study(journals, runs, method, flag, trials):
-    """A study of (flag value, majority mean@16, majority pass@16, minority pass@16) trials, as tune.py leaves it."""
+    """A study of (flag value, majority mean@16, majority pass@16, minority pass@16) trials, as tune.py leaves it
+    (flag: one flag's name, or several names and each trial's value a tuple; the space's other flags at its corner)."""
     storage = JournalStorage(JournalFileBackend(str(journals / f"{method}.log")))
     study = optuna.create_study(study_name=method, storage=storage, directions=["maximize", "maximize"])
     for n, (value, major, major_pass, minor) in enumerate(trials):
+        params = {**tune.defaults(method), **(dict(zip(flag, value)) if isinstance(flag, tuple) else {flag: value})}
         study.add_trial(
-            optuna.trial.create_trial(
-                params={flag: value}, distributions={flag: FloatDistribution(0, 10)}, values=[major, minor]
-            )
+            optuna.trial.create_trial(params=params, distributions=distributions(method), values=[major, minor])
         )
         run = runs / method / f"trial_{n}" / f"{method}__1__0"
         run.mkdir(parents=True)
@@ -70,11 +81,40 @@ def test_fronts_picks_and_the_confirmation_command(tmp_path):
     launches = [line for line in dry.stdout.splitlines() if "torch.distributed.run" in line]
     assert len(launches) == 6  # 2 methods x 3 seeds
     vanilla = [c for c in launches if "grpo_vanilla.py" in c]
-    assert len(vanilla) == 3 and all("--kl-coef 0.1 --exp-name grpo_vanilla " in c for c in vanilla)
+    assert len(vanilla) == 3 and all(
+        "--kl-coef 0.1 --learning-rate 5e-05 --num-mini-batches 1 --exp-name grpo_vanilla " in c for c in vanilla
+    )
     cispo_runs = [c for c in launches if "grpo_cispo.py" in c]
-    assert all("--clip-eps-high 0.3 --exp-name grpo_cispo_tuned" in c for c in cispo_runs)
+    assert all(
+        "--clip-eps-high 0.3 --clip-eps-low 0.2 --learning-rate 5e-05 --num-mini-batches 1 --exp-name grpo_cispo_tuned"
+        in c
+        for c in cispo_runs
+    )
     assert {c.split("--seed ")[1].split()[0] for c in launches} == {"11", "12", "13"}
     assert "--output-dir benchmarks/results/tune/confirmation" in dry.stdout  # not the main testbed's results
+
+
+def test_the_flags_are_the_tuners_own(tmp_path):
+    """AEnt's box is two draws put in order by tune.suggest: the report's flags are the ordered ones, and they are
+    checked against the command the tuner recorded (a trial whose record differs stops the report)."""
+    journals, runs = tmp_path / "journals", tmp_path / "runs"
+    journals.mkdir()
+    make_study(journals, runs, "grpo_vanilla", "kl-coef", [(0.0, 0.95, 1.0, 0.0)])
+    box = ("entropy-low", "entropy-high", "entropy-coef", "clamp-p", "entropy-coef-lr", "entropy-coef-warmup")
+    make_study(journals, runs, "grpo_aent", (*box, "learning-rate", "num-mini-batches"),
+               [((0.06, 0.02, 0.1, 0.3, 0.5, 5, 1e-4, 2), 0.9, 1.0, 0.2)])  # fmt: skip
+    record = runs / "grpo_aent" / "trial_0" / "command.txt"
+    ran = "--entropy-low 0.02 --entropy-high 0.06 --entropy-coef 0.1 --clamp-p 0.3 --entropy-coef-lr 0.5"
+    record.write_text(
+        f"python grpo_aent.py {ran} --entropy-coef-warmup 5 --learning-rate 0.0001 --num-mini-batches 2\n"
+    )
+    argv = ["--journals", str(journals), "--runs", str(runs), "--out", str(tmp_path / "out")]
+    tune_report.main(argv)
+    (aent,) = [json.loads(line) for line in open(tmp_path / "out" / "trials.jsonl") if "grpo_aent" in line]
+    assert aent["flags"]["entropy-low"] == 0.02 and aent["flags"]["entropy-high"] == 0.06
+    record.write_text(record.read_text().replace("--num-mini-batches 2", "--num-mini-batches 4"))
+    with pytest.raises(SystemExit, match="does not hold the flags"):
+        tune_report.main(argv)
 
 
 def test_no_vanilla_study_is_a_one_line_error(tmp_path):
