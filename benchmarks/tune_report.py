@@ -38,15 +38,18 @@ def read_trials(journal: str, runs: str) -> list:
     front = {t.number for t in study.best_trials}
     rows = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        paths = glob.glob(os.path.join(runs, method, f"trial_{t.number}", "*", "metrics.jsonl"))
+        where = os.path.join(runs, method, f"trial_{t.number}")
+        paths = glob.glob(os.path.join(where, "*", "metrics.jsonl"))
         if len(paths) != 1:
-            where = os.path.join(runs, method, f"trial_{t.number}")
             raise SystemExit(f"error: {method} trial {t.number}: {len(paths)} runs (metrics.jsonl) in {where}, not 1")
         (path,) = paths
         flags = suggest(optuna.trial.FixedTrial(t.params), method)
-        ran = os.path.join(runs, method, f"trial_{t.number}", "command.txt")  # the tuner's record of the command
-        if os.path.exists(ran) and not all(f" --{k} {v} " in f" {open(ran).read().strip()} " for k, v in flags.items()):
-            raise SystemExit(f"error: {ran} does not hold the flags {flag_text(flags, exact=True)}")
+        ran = os.path.join(where, "command.txt")  # the tuner's record of the command
+        if os.path.exists(ran):
+            with open(ran) as f:
+                command = f" {f.read().strip()} "
+            if not all(f" --{k} {v} " in command for k, v in flags.items()):
+                raise SystemExit(f"error: {ran} does not hold the flags {flag_text(flags, exact=True)}")
         evals = [r for r in map(json.loads, open(path)) if MINORITY in r]
         keep = lambda r: {k: v for k, v in r.items() if k == "step" or k.startswith("eval/")}  # noqa: E731
         rows.append(
@@ -165,10 +168,11 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "trials.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
+    text = report(rows, floor)
     with open(os.path.join(a.out, "README.md"), "w") as f:
-        f.write(report(rows, floor))
+        f.write(text)
     plot(rows, floor, os.path.join(a.out, "fronts.png"))
-    print(open(os.path.join(a.out, "README.md")).read())
+    print(text)
     return 0
 
 
