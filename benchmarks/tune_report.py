@@ -17,6 +17,7 @@ from benchmarks.tune import OBJECTIVES, suggest
 MAJORITY, MINORITY = OBJECTIVES
 MAJORITY_PASS = "eval/majority/pass@16"
 MARGIN = 0.05  # the plan's scalarisation: majority mean@16 at least vanilla's best minus this
+DIVERGED = 0.3  # a trial whose majority mean@16 ends under this has diverged (the base policy has 0.48)
 
 
 def overall_pass(row: dict) -> float:
@@ -140,6 +141,7 @@ def report(rows: list, floor: float) -> str:
         # vanilla keeps its name (compare.py's baseline); a variant's flags start with the script it runs
         name, script = (m, "") if m == "grpo_vanilla" else (f"{m}_tuned", m.removesuffix("_top") + " ")
         confirm.append(f'METHOD_FLAGS_{name}="{script}{flag_text(best["flags"], exact=True)}"')
+    lines += ["", *kept_table(rows, floor)]
     names = " ".join(c.split("=")[0].removeprefix("METHOD_FLAGS_") for c in confirm)
     lines += [
         "",
@@ -151,6 +153,27 @@ def report(rows: list, floor: float) -> str:
         "",
     ]  # fmt: skip
     return "\n".join(lines)
+
+
+def kept_table(rows: list, floor: float) -> list:
+    """Per method, what it keeps of the rare procedure at the floor and at all: its trials at the floor and the most
+    minority pass@16 among them, the trial that kept most (with its majority mean@16), and its diverged trials."""
+    lines = [
+        f"What each method keeps (minority pass@16), at the floor and at all (diverged: majority under {DIVERGED}):",
+        "",
+        "| method | trials at the floor | most kept there | the trial that kept most: majority / minority | diverged |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for m in dict.fromkeys(r["method"] for r in rows):
+        own = [r["last"] | {"trial": r["trial"]} for r in rows if r["method"] == m]
+        at_floor = [r[MINORITY] for r in own if r[MAJORITY] >= floor]
+        most = max(own, key=lambda r: (r[MINORITY], r[MAJORITY]))
+        lines.append(
+            f"| {m} | {len(at_floor)} of {len(own)} | {f'{max(at_floor):.2f}' if at_floor else '-'} "
+            f"| {most['trial']}: {most[MAJORITY]:.3f} / {most[MINORITY]:.2f} "
+            f"| {sum(r[MAJORITY] < DIVERGED for r in own)} |"
+        )
+    return lines
 
 
 def main(argv=None) -> int:

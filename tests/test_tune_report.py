@@ -57,8 +57,8 @@ def test_fronts_picks_and_the_confirmation_command(tmp_path):
         journals, runs, "grpo_cispo", "clip-eps-high",
         [(4.0, 0.70, 1.0, 0.50), (0.2, 0.91, 1.0, 0.20), (0.3, 0.92, 0.9, 0.30), (0.5, 0.80, 0.9, 0.05)],
     )  # fmt: skip
-    # every trial under the floor
-    make_study(journals, runs, "grpo_sapo", "sapo-tau-pos", [(1.0, 0.50, 1.0, 0.6)])
+    # every trial under the floor; trial 1 diverged
+    make_study(journals, runs, "grpo_sapo", "sapo-tau-pos", [(1.0, 0.50, 1.0, 0.6), (2.0, 0.20, 0.5, 0.0)])
     tune_report.main(["--journals", str(journals), "--runs", str(runs), "--out", str(out)])
 
     rows = [json.loads(line) for line in open(out / "trials.jsonl")]
@@ -71,7 +71,11 @@ def test_fronts_picks_and_the_confirmation_command(tmp_path):
     assert tune_report.pick(cispo, 0.60)["trial"] == 0 and tune_report.pick(cispo, 0.99) is None
 
     text = (out / "README.md").read_text()
-    assert "floor" in text.lower() and "0.900" in text and "| grpo_sapo | 1 |" in text and "none within 0.05" in text
+    assert "floor" in text.lower() and "0.900" in text and "| grpo_sapo | 2 |" in text and "none within 0.05" in text
+    # what each keeps: cispo's trials 1 and 2 reach the floor (0.30 the most kept there), its trial 0 kept most; sapo
+    # has none at the floor, and its trial 1 diverged (majority under 0.3)
+    assert "| grpo_cispo | 2 of 4 | 0.30 | 0: 0.700 / 0.50 | 0 |" in text
+    assert "| grpo_sapo | 0 of 2 | - | 0: 0.500 / 0.60 | 1 |" in text
     assert (out / "fronts.png").stat().st_size > 10_000
     # the confirmation, as printed, run by testbed.sh (dry run): vanilla under its own name, each method's picked flags
     block = text.split("The confirmation")[1].split("\n\n")[1]
