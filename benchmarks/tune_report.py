@@ -4,7 +4,8 @@ its journal and its trials' runs, the one point per method the plan's scalarisat
     python -m benchmarks.tune_report --journals benchmarks/results/tune --runs runs/tune --out benchmarks/results/tune
 
 Writes <out>/trials.jsonl (every complete trial: its flags and its last evaluation, so that the report can be read
-without the runs), <out>/README.md (the fronts, the picked points, the confirmation's command) and <out>/fronts.png.
+without the runs), <out>/README.md (the fronts, the picked points, what each keeps), <out>/fronts.png and
+<out>/confirm.sh (the confirmation's runs).
 """
 
 import argparse
@@ -110,8 +111,8 @@ def vanilla_floor(rows: list) -> float:
     return max(vanilla) - MARGIN
 
 
-def report(rows: list, floor: float) -> str:
-    """The markdown report: per method its trials, front and picked point; the confirmation's command."""
+def report(rows: list, floor: float) -> tuple:
+    """The markdown report (per method its trials, front and picked point, what it keeps) and confirm.sh's text."""
     base = rows[0]["base"]
     lines = [
         "# The equal-budget study: results (plan: PLAN.md)",
@@ -141,18 +142,38 @@ def report(rows: list, floor: float) -> str:
         # vanilla keeps its name (compare.py's baseline); a variant's flags start with the script it runs
         name, script = (m, "") if m == "grpo_vanilla" else (f"{m}_tuned", m.removesuffix("_top") + " ")
         confirm.append(f'METHOD_FLAGS_{name}="{script}{flag_text(best["flags"], exact=True)}"')
-    lines += ["", *kept_table(rows, floor)]
-    names = " ".join(c.split("=")[0].removeprefix("METHOD_FLAGS_") for c in confirm)
-    lines += [
+    lines += ["", *kept_table(rows, floor), "",
+              "The confirmation (PLAN.md: 200 steps, seeds 11-13, each picked point beside vanilla's; one seed a "
+              "sitting, ~35 minutes each on 2 cores): [confirm.sh](confirm.sh).", ""]  # fmt: skip
+    return "\n".join(lines), confirmation(confirm)
+
+
+def confirmation(flags: list) -> str:
+    """confirm.sh: testbed.sh on the fork testbed for the given seeds (each in its own folder, so that a sitting runs
+    one seed and a killed one reruns only its seed), then compare.py over every seed run so far."""
+    names = " ".join(c.split("=")[0].removeprefix("METHOD_FLAGS_") for c in flags)
+    seed_runs = (
+        "  TESTBED=fork SEEDS=$seed OUT=runs/testbed_tuned/seed$seed \\\n"
+        "    RESULTS=benchmarks/results/tune/confirmation/seed$seed \\\n"
+        f'    METHODS="{names}" bash benchmarks/reproduce/testbed.sh'
+    )
+    return "\n".join([
+        "#!/bin/bash",
+        "# The equal-budget study's confirmation (PLAN.md): each method's picked point beside vanilla's, 200 steps on",
+        "# the fork testbed, seeds 11-13. Written by benchmarks/tune_report.py from the journals. Run from the root:",
+        "#   bash benchmarks/results/tune/confirm.sh 11   # a seed's runs (its folder emptied first), the comparison",
+        "#   bash benchmarks/results/tune/confirm.sh      # the comparison of every seed run so far (confirmation/)",
+        "set -euo pipefail",
+        '[ -f benchmarks/reproduce/testbed.sh ] || { echo "error: run from the repository\'s root" >&2; exit 1; }',
+        *(f"export {c}" for c in flags),
+        'for seed in "$@"; do',
+        seed_runs,
+        "done",
+        'cmd=("${PY:-.venv/bin/python}" -m benchmarks.compare --runs "runs/testbed_tuned/seed*/*"',
+        "     --output-dir benchmarks/results/tune/confirmation --baseline grpo_vanilla --smooth 10)",
+        'if [ -n "${DRY_RUN:-}" ]; then echo "${cmd[*]}"; else "${cmd[@]}"; fi',
         "",
-        "The confirmation (PLAN.md: 200 steps, seeds 11-13, each picked point beside vanilla's):",
-        "",
-        "    " + " \\\n    ".join([*confirm, 'TESTBED=fork SEEDS="11 12 13" OUT=runs/testbed_tuned',
-                                   "RESULTS=benchmarks/results/tune/confirmation",
-                                   f'METHODS="{names}" bash benchmarks/reproduce/testbed.sh']),
-        "",
-    ]  # fmt: skip
-    return "\n".join(lines)
+    ])  # fmt: skip
 
 
 def kept_table(rows: list, floor: float) -> list:
@@ -191,9 +212,11 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "trials.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    text = report(rows, floor)
+    text, confirm = report(rows, floor)
     with open(os.path.join(a.out, "README.md"), "w") as f:
         f.write(text)
+    with open(os.path.join(a.out, "confirm.sh"), "w") as f:
+        f.write(confirm)
     plot(rows, floor, os.path.join(a.out, "fronts.png"))
     print(text)
     return 0

@@ -77,10 +77,11 @@ def test_fronts_picks_and_the_confirmation_command(tmp_path):
     assert "| grpo_cispo | 2 of 4 | 0.30 | 0: 0.700 / 0.50 | 0 |" in text
     assert "| grpo_sapo | 0 of 2 | - | 0: 0.500 / 0.60 | 1 |" in text
     assert (out / "fronts.png").stat().st_size > 10_000
-    # the confirmation, as printed, run by testbed.sh (dry run): vanilla under its own name, each method's picked flags
-    block = text.split("The confirmation")[1].split("\n\n")[1]
-    command = " ".join(line.strip().rstrip("\\") for line in block.splitlines())
-    dry = subprocess.run(["bash", "-c", f"DRY_RUN=1 {command}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    # the confirmation as written, run by testbed.sh (dry run): vanilla under its own name, each method's picked flags
+    assert "[confirm.sh](confirm.sh)" in text
+    script = str(out / "confirm.sh")
+    dry = subprocess.run(["bash", script, "11", "12", "13"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "DRY_RUN": "1"})  # fmt: skip
     assert dry.returncode == 0, dry.stderr
     launches = [line for line in dry.stdout.splitlines() if "torch.distributed.run" in line]
     assert len(launches) == 6  # 2 methods x 3 seeds
@@ -95,7 +96,16 @@ def test_fronts_picks_and_the_confirmation_command(tmp_path):
         for c in cispo_runs
     )
     assert {c.split("--seed ")[1].split()[0] for c in launches} == {"11", "12", "13"}
-    assert "--output-dir benchmarks/results/tune/confirmation" in dry.stdout  # not the main testbed's results
+    # each seed in its own folder; the comparison over all of them, in the study's folder (not the main testbed's)
+    for seed in (11, 12, 13):
+        assert f"--output-dir runs/testbed_tuned/seed{seed} " in dry.stdout
+        assert f"--output-dir benchmarks/results/tune/confirmation/seed{seed} " in dry.stdout
+    assert dry.stdout.rstrip().endswith(
+        "-m benchmarks.compare --runs runs/testbed_tuned/seed*/* --output-dir benchmarks/results/tune/confirmation "
+        "--baseline grpo_vanilla --smooth 10"
+    )
+    elsewhere = subprocess.run(["bash", script], cwd=out, capture_output=True, text=True, timeout=60)
+    assert elsewhere.returncode == 1 and "run from the repository's root" in elsewhere.stderr
 
 
 def test_the_flags_are_the_tuners_own(tmp_path):
