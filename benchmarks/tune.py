@@ -137,9 +137,14 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(a.journal)), exist_ok=True)
     storage = JournalStorage(JournalFileBackend(a.journal))
     sampler = optuna.samplers.TPESampler(seed=a.seed, multivariate=True)
-    study = optuna.create_study(
-        study_name=a.method, storage=storage, directions=["maximize", "maximize"], sampler=sampler, load_if_exists=True
-    )
+    # a study in the journal is loaded: create_study(load_if_exists=True) would append its creation to the journal
+    # again (optuna 5.1's JournalStorage.create_new_study writes the operation before it finds the name taken)
+    if a.method in {s.study_name for s in storage.get_all_studies()}:
+        study = optuna.load_study(study_name=a.method, storage=storage, sampler=sampler)
+    else:
+        study = optuna.create_study(
+            study_name=a.method, storage=storage, directions=["maximize", "maximize"], sampler=sampler
+        )
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):  # killed with the last tuner: again
         study.tell(t.number, state=TrialState.FAIL)
         study.enqueue_trial(t.params)

@@ -47,6 +47,11 @@ def test_a_two_trial_study_resumes_after_a_kill(tmp_path):
     assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
     assert trials[0].values == first.trials[0].values and trials[2].params == first.trials[1].params
     assert all(0 <= v <= 1 for t in (trials[0], trials[2]) for v in t.values)
+    # a finished study run again (the next sitting of a study of several methods) runs nothing and writes nothing
+    before = journal.read_bytes()
+    again = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "2 complete trials" in again.stdout, again.stdout[-3000:] + again.stderr[-3000:]
+    assert journal.read_bytes() == before
 
 
 def test_the_gpu_command_is_the_scripts_own_flags(capsys):
