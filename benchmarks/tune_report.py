@@ -144,7 +144,7 @@ def report(rows: list, floor: float) -> tuple:
         confirm.append(f'METHOD_FLAGS_{name}="{script}{flag_text(best["flags"], exact=True)}"')
     lines += ["", *kept_table(rows, floor), "",
               "The confirmation (PLAN.md: 200 steps, seeds 11-13, each picked point beside vanilla's; one seed a "
-              "sitting, ~35 minutes each on 2 cores): [confirm.sh](confirm.sh).", ""]  # fmt: skip
+              "sitting, ~47 minutes each on 2 cores, 12 runs of ~470 s): [confirm.sh](confirm.sh).", ""]  # fmt: skip
     return "\n".join(lines), confirmation(confirm)
 
 
