@@ -61,6 +61,14 @@ def read_trials(journal: str, runs: str) -> list:
     return rows
 
 
+def by_method(rows: list) -> dict:
+    """The rows grouped by method, in their order (vanilla first: main sorts them so)."""
+    groups = {}
+    for r in rows:
+        groups.setdefault(r["method"], []).append(r)
+    return groups
+
+
 def pick(rows: list, floor: float) -> dict | None:
     """The plan's point: the highest overall pass@16 among the trials whose majority mean@16 >= floor; ties: the higher
     majority mean@16. None if no trial reaches the floor."""
@@ -80,11 +88,9 @@ def plot(rows: list, floor: float, path: str) -> None:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    methods = list(dict.fromkeys(r["method"] for r in rows))
     colors = plt.get_cmap("tab20")
     fig, ax = plt.subplots(figsize=(8, 6))
-    for i, m in enumerate(methods):
-        own = [r for r in rows if r["method"] == m]
+    for i, (m, own) in enumerate(by_method(rows).items()):
         color = "black" if m == "grpo_vanilla" else colors(2 * i % 20 + 2 * i // 20)  # the dark shades first
         front = sorted((r["last"][MINORITY], r["last"][MAJORITY]) for r in own if r["front"])
         dots = [(r["last"][MINORITY], r["last"][MAJORITY]) for r in own]
@@ -125,9 +131,8 @@ def report(rows: list, floor: float) -> tuple:
         "| minority | its flags |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    confirm = []
-    for m in dict.fromkeys(r["method"] for r in rows):
-        own = [r for r in rows if r["method"] == m]
+    confirm = {}  # testbed.sh's name of each configuration: its flags
+    for m, own in by_method(rows).items():
         front = sorted((r for r in own if r["front"]), key=lambda r: r["last"][MINORITY])
         shown = ", ".join(f"{r['last'][MAJORITY]:.3f} / {r['last'][MINORITY]:.2f}" for r in front)
         best = pick(own, floor)
@@ -141,17 +146,17 @@ def report(rows: list, floor: float) -> tuple:
         )
         # vanilla keeps its name (compare.py's baseline); a variant's flags start with the script it runs
         name, script = (m, "") if m == "grpo_vanilla" else (f"{m}_tuned", m.removesuffix("_top") + " ")
-        confirm.append(f'METHOD_FLAGS_{name}="{script}{flag_text(best["flags"], exact=True)}"')
+        confirm[name] = script + flag_text(best["flags"], exact=True)
     lines += ["", *kept_table(rows, floor), "",
               "The confirmation (PLAN.md: 200 steps, seeds 11-13, each picked point beside vanilla's; one seed a "
               "sitting, ~47 minutes each on 2 cores, 12 runs of ~470 s): [confirm.sh](confirm.sh).", ""]  # fmt: skip
     return "\n".join(lines), confirmation(confirm)
 
 
-def confirmation(flags: list) -> str:
+def confirmation(flags: dict) -> str:
     """confirm.sh: testbed.sh on the fork testbed for the given seeds (each in its own folder, so that a sitting runs
     one seed and a killed one reruns only its seed), then compare.py over every seed run so far."""
-    names = " ".join(c.split("=")[0].removeprefix("METHOD_FLAGS_") for c in flags)
+    names = " ".join(flags)
     seed_runs = (
         "  TESTBED=fork SEEDS=$seed OUT=runs/testbed_tuned/seed$seed \\\n"
         "    RESULTS=benchmarks/results/tune/confirmation/seed$seed \\\n"
@@ -165,7 +170,7 @@ def confirmation(flags: list) -> str:
         "#   bash benchmarks/results/tune/confirm.sh      # the comparison of every seed run so far (confirmation/)",
         "set -euo pipefail",
         '[ -f benchmarks/reproduce/testbed.sh ] || { echo "error: run from the repository\'s root" >&2; exit 1; }',
-        *(f"export {c}" for c in flags),
+        *(f'export METHOD_FLAGS_{name}="{text}"' for name, text in flags.items()),
         'for seed in "$@"; do',
         seed_runs,
         "done",
@@ -185,8 +190,8 @@ def kept_table(rows: list, floor: float) -> list:
         "| method | trials at the floor | most kept there | the trial that kept most: majority / minority | diverged |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for m in dict.fromkeys(r["method"] for r in rows):
-        own = [r["last"] | {"trial": r["trial"]} for r in rows if r["method"] == m]
+    for m, group in by_method(rows).items():
+        own = [r["last"] | {"trial": r["trial"]} for r in group]
         at_floor = [r[MINORITY] for r in own if r[MAJORITY] >= floor]
         most = max(own, key=lambda r: (r[MINORITY], r[MAJORITY]))
         lines.append(
