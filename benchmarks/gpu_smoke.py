@@ -75,7 +75,6 @@ import runpy
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -84,7 +83,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from testbed.build_arithmetic import build_testbed
-from testbed.common import CPU_ENV
+from testbed.common import CPU_ENV, free_port
 from utils import versions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,12 +180,6 @@ LONG_LR, CYCLES = 1e-4, 3  # lr: ~0.4 of a bf16 rounding step of a 0.05 weight p
 STALE_MAX = 0.5  # rollout-ranks at staleness 1: one step's move of the testbed policy, far below garbage (nats)
 LONG_LINES = ("zero2-buffers", "zero3-buffers", "zero3-logprobs", "long-gap-zero2", "long-gap-zero3")
 LONG_LINES += ("sleep-cycles0", "sleep-cycles1", "sleep-cycles2", "sleep-default")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def version(*names) -> str:

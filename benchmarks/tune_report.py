@@ -149,7 +149,8 @@ def report(rows: list, floor: float) -> tuple:
         confirm[name] = script + flag_text(best["flags"], exact=True)
     lines += ["", *kept_table(rows, floor), "",
               "The confirmation (PLAN.md: 200 steps, seeds 11-13, each picked point beside vanilla's; one seed a "
-              "sitting, ~47 minutes each on 2 cores, 12 runs of ~470 s): [confirm.sh](confirm.sh).", ""]  # fmt: skip
+              "sitting, ~47 minutes each on 2 cores, 12 runs of ~470 s): [confirm.sh](confirm.sh); its comparison of "
+              "all seeds: [confirmation/compare.md](confirmation/compare.md).", ""]  # fmt: skip
     return "\n".join(lines), confirmation(confirm)
 
 

@@ -7,7 +7,6 @@ import os
 import select
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -17,15 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from testbed.common import CPU_ENV, read_jsonl
+from testbed.common import CPU_ENV, free_port, read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def script_flags(tb, **overrides) -> list:

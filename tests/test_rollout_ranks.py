@@ -88,6 +88,15 @@ def assert_one_line_each(stderr: str, ranks: int) -> None:
     assert stderr.count("error: ") == ranks and "Traceback" not in stderr, stderr[-3000:]
 
 
+def test_the_second_thread_to_find_a_peer_gone_lets_the_first_print_its_line():
+    """A rollout rank's main thread and sender both end the process after a peer is gone (rollout_rank._say_once, then
+    os._exit): the first's line comes out even when the second ends the process while the first is printing (the one
+    line once missing after trainer 0's kill in the test above)."""
+    proc = run_python([os.path.join(ROOT, "tests", "two_tellers.py")], {**os.environ, **CPU_ENV}, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.count("error: ") == 1, proc.stderr[-3000:]
+    assert "error: the first thread's line" in proc.stderr, proc.stderr[-3000:]
+
+
 def test_a_run_end_leaves_no_gloo_thread_to_the_interpreter_exit():
     """The scripts' end of a run (tests/end_of_run.py: process.shutdown, serve's end), 2 trainers and a rollout rank:
     no gloo worker thread may outlive it. One alive at the interpreter's exit can still be waiting for the GIL to drop

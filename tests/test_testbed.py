@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import socket
 import time
 
 import pytest
@@ -301,3 +302,17 @@ def test_vllm_greedy_matches_hf_greedy(testbed, model, tok, tmp_path):
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     got = json.loads(lines[-1].removeprefix("RESULT "))
     assert got == expected
+
+
+def test_free_port_is_below_the_ephemeral_range_in_its_worker_s_slice_and_skips_a_taken_one(monkeypatch):
+    """The launches' MASTER_PORT (common.free_port): never from the kernel's ephemeral range, which every outgoing
+    connection and bind(0) draw from (a port bind(0) gave could be taken before the launcher bound it: EADDRINUSE)."""
+    low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    ports = [common.free_port() for _ in range(3)]
+    assert all(12048 <= p < 14096 and not low <= p <= high for p in ports) and len(set(ports)) == 3, ports
+    nxt = 12048 + (ports[-1] - 12048 + 1) % 2048
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", nxt))
+        taken.listen()
+        assert common.free_port() == 12048 + (nxt - 12048 + 1) % 2048

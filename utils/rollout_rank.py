@@ -16,14 +16,18 @@ from .process import StopSignal, shutdown
 from .sampler import make_sampler
 from .split_launch import broadcast, send
 
-_told = threading.Lock()
+_told, _telling = threading.Event(), threading.Lock()
 
 
 def _say_once(line: str) -> None:
     """The one line of a rollout rank whose peer is gone, from whichever of its threads finds it first: when trainer 0
-    is killed both may (the main thread on `link`, the sender on `bridge`); the other ends without a line."""
-    if _told.acquire(blocking=False):
-        print(line, file=sys.stderr, flush=True)
+    is killed both may (the main thread on `link`, the sender on `bridge`); the other adds no line. Each then ends the
+    process (os._exit), so the second waits here until the first has printed: returning at once, its os._exit could
+    end the process between the first's taking its turn and its line reaching stderr (the rank would stop silently)."""
+    with _telling:
+        if not _told.is_set():
+            print(line, file=sys.stderr, flush=True)
+            _told.set()
 
 
 class _Sender(threading.Thread):

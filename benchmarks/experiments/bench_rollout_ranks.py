@@ -24,7 +24,6 @@ import tempfile
 
 from benchmarks.experiments.perf_common import (
     ROOT,
-    free_port,
     median,
     prompt_file,
     random_qwen2_varlen,
@@ -32,6 +31,7 @@ from benchmarks.experiments.perf_common import (
     run_measured,
     tail,
 )
+from testbed.common import free_port
 
 VARIANTS = {"colocated": [], "s0": ["--rollout-ranks", "1"], "s1": ["--rollout-ranks", "1", "--max-staleness", "1"]}
 

@@ -58,7 +58,6 @@ import time
 
 from benchmarks.experiments.perf_common import (
     ROOT,
-    free_port,
     length_stats,
     median,
     n_params,
@@ -69,6 +68,7 @@ from benchmarks.experiments.perf_common import (
     run_measured,
     tail,
 )
+from testbed.common import free_port
 
 VARIANTS = ["ours-hf", "ours-hf-packed", "trl-hf", "trl-hf-zero2", "ours-vllm", "ours-vllm-packed", "trl-vllm"]
 

@@ -7,7 +7,6 @@ size, each case in a fresh interpreter."""
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -237,13 +236,6 @@ def case_in_child(*case: str) -> dict:
     if out.returncode != 0:
         raise SystemExit(f"case {' '.join(case)} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def free_port() -> int:
-    """A TCP port free now (for MASTER_PORT: other jobs on the machine may hold fixed ones)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tail(path: str, n: int = 3000) -> str:

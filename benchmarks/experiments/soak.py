@@ -22,23 +22,16 @@ import ctypes
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
 
-from testbed.common import CPU_ENV
+from testbed.common import CPU_ENV, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SOAK_FLAGS = {"--save-every": "20", "--keep-checkpoints": "2", "--eval-every": "20", "--eval-num-prompts": "100"}
 FIELDS = ["t", "step", "pid", "ppid", "name", "rss_kb", "anon_kb", "fds", "threads"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def testbed_args() -> list:
