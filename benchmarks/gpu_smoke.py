@@ -83,7 +83,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from testbed.build_arithmetic import build_testbed
-from testbed.common import CPU_ENV, free_port
+from testbed.common import CPU_ENV
+from testbed.ports import free_port
 from utils import versions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from testbed.common import CPU_ENV, free_port, read_jsonl
+from testbed.common import CPU_ENV, read_jsonl
+from testbed.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

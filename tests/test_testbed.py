@@ -12,7 +12,7 @@ from launch import run_python
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Tokenizer
 
 from testbed import build_arithmetic as tb_mod
-from testbed import common
+from testbed import common, ports
 from testbed.common import CPU_ENV
 from utils.data import INSTRUCTION, format_prompt, load_problems
 from utils.reward import grade
@@ -305,14 +305,14 @@ def test_vllm_greedy_matches_hf_greedy(testbed, model, tok, tmp_path):
 
 
 def test_free_port_is_below_the_ephemeral_range_in_its_worker_s_slice_and_skips_a_taken_one(monkeypatch):
-    """The launches' MASTER_PORT (common.free_port): never from the kernel's ephemeral range, which every outgoing
+    """The launches' MASTER_PORT (ports.free_port): never from the kernel's ephemeral range, which every outgoing
     connection and bind(0) draw from (a port bind(0) gave could be taken before the launcher bound it: EADDRINUSE)."""
     low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
-    ports = [common.free_port() for _ in range(3)]
-    assert all(12048 <= p < 14096 and not low <= p <= high for p in ports) and len(set(ports)) == 3, ports
-    nxt = 12048 + (ports[-1] - 12048 + 1) % 2048
+    got = [ports.free_port() for _ in range(3)]
+    assert all(12048 <= p < 14096 and not low <= p <= high for p in got) and len(set(got)) == 3, got
+    nxt = 12048 + (got[-1] - 12048 + 1) % 2048
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", nxt))
         taken.listen()
-        assert common.free_port() == 12048 + (nxt - 12048 + 1) % 2048
+        assert ports.free_port() == 12048 + (nxt - 12048 + 1) % 2048

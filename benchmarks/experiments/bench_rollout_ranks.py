@@ -31,7 +31,7 @@ from benchmarks.experiments.perf_common import (
     run_measured,
     tail,
 )
-from testbed.common import free_port
+from testbed.ports import free_port
 
 VARIANTS = {"colocated": [], "s0": ["--rollout-ranks", "1"], "s1": ["--rollout-ranks", "1", "--max-staleness", "1"]}
 

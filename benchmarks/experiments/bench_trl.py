@@ -68,7 +68,7 @@ from benchmarks.experiments.perf_common import (
     run_measured,
     tail,
 )
-from testbed.common import free_port
+from testbed.ports import free_port
 
 VARIANTS = ["ours-hf", "ours-hf-packed", "trl-hf", "trl-hf-zero2", "ours-vllm", "ours-vllm-packed", "trl-vllm"]
 

@@ -26,7 +26,8 @@ import subprocess
 import sys
 import time
 
-from testbed.common import CPU_ENV, free_port
+from testbed.common import CPU_ENV
+from testbed.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
