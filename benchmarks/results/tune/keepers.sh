@@ -5,6 +5,9 @@
 # step 60 (trials.jsonl), the trial of highest majority mean@16 among those; the flags are that trial's, unrounded.
 # Run from the root after confirm.sh 11, 12, 13 (its vanilla runs are the baseline):
 #   bash benchmarks/results/tune/keepers.sh      # 12 runs in runs/testbed_keepers, then keepers/compare.md
+#   COMPARE_ONLY=1 bash benchmarks/results/tune/keepers.sh   # the comparison alone, from the runs already there
+#   DRY_RUN=1 bash benchmarks/results/tune/keepers.sh        # print the commands only
+# (testbed.sh compares the keepers alone into keepers/ first; the comparison with vanilla below replaces it)
 set -euo pipefail
 [ -f benchmarks/reproduce/testbed.sh ] || { echo "error: run from the repository's root" >&2; exit 1; }
 export METHOD_FLAGS_grpo_vanilla_kl_kept="grpo_vanilla --kl-coef 1.0 --learning-rate 7.235597825980467e-05 --num-mini-batches 1"
