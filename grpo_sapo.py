@@ -22,7 +22,6 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import tyro
 from tqdm import tqdm
 
@@ -47,6 +46,8 @@ class Args:
     """seed of the experiment"""
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    full_determinism: bool = False
+    """bitwise-repeatable GPU runs, at a cost no GPU has measured yet (utils/distributed.py; CPU runs repeat anyway)"""
     track: bool = False
     """if toggled, this experiment will be tracked with Weights and Biases"""
     wandb_project_name: str = "grpo-entropy"
@@ -70,6 +71,9 @@ class Args:
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """the weights' and the sampler's dtype; auto: bfloat16 on GPUs, float32 on a CPU (bfloat16 there rehearses a GPU
     run's numerics, `make test-bf16`)"""
+    head_dtype: Literal["float32", "model"] = "float32"
+    """the output head's logits in the trainer and in vLLM alike: float32 from bf16 weights, or the weights' dtype
+    (model: the sampler's log-probs further from the trainer's, benchmarks/results/head_dtype.md)"""
     dataset: str = "DigitalLearningGmbH/MATH-lighteval"
     """training prompts: a hub id or a local .jsonl/.json/.parquet file (default: MATH's 7,500 training problems)"""
     dataset_split: str | None = None
@@ -192,17 +196,14 @@ class Args:
     keep their policy-gradient term (a method's own loss terms too; the reference KL stays on every token); 1: off
     (paper: 0.2)"""
     entropy_mask_scope: Literal["global", "microbatch"] = "global"
-    """global (ours): one threshold per optimizer mini-batch over its tokens on all ranks, whatever the micro-batches,
-    packing and world size; microbatch: TRL 1.16's top_entropy_quantile, the current forward's entropies of each
-    micro-batch over all ranks"""
+    """global (ours): one threshold per optimizer mini-batch over its tokens on all ranks, whatever the layout;
+    microbatch: TRL 1.16's top_entropy_quantile, from the current forward's entropies of each micro-batch, all ranks"""
     entropy_mask_source: Literal["sampling", "current"] = "sampling"
-    """global scope: whose entropies decide: the sampling policy's (the log-prob pass: no extra forward, the same
-    tokens in every epoch) or the current policy's, as the paper (its section 2.1) and TRL and the authors' code (one
-    no-grad forward per mini-batch after the first; the first mini-batch's are the sampling policy's anyway)"""
+    """global scope: whose entropies decide: the sampling policy's (no extra forward, the same tokens every epoch) or
+    the current policy's, as the paper (section 2.1), TRL and the authors' code (a no-grad forward per mini-batch)"""
     entropy_mask_norm: Literal["all", "kept"] = "all"
-    """the policy-gradient term's denominator counts every response token (TRL's choice) or only the kept ones (the
-    paper's Eq. 6 and the authors' verl code): 'kept' multiplies it by tokens / kept tokens of the selection set, a
-    mean over the kept tokens of the mini-batch of all ranks (theirs: of each micro-batch on each rank)"""
+    """the policy-gradient term's denominator counts every response token (TRL) or only the kept ones (the paper's
+    Eq. 6, the authors' verl code): a mean over the kept tokens of the mini-batch of all ranks (theirs: micro-batch)"""
     logprob_chunk_size: int = 1024
     """tokens per chunk of the vocabulary projection; bounds the [tokens, vocab] temporaries"""
 
@@ -379,6 +380,7 @@ if __name__ == "__main__":
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
+    distributed.full_determinism(args.full_determinism, on_gpu)  # bitwise-repeatable GPU runs, or nothing
 
     # data: prompts tokenised once; over-long prompts dropped and counted
     tokenizer = load_tokenizer(args.model_name_or_path)
@@ -515,10 +517,9 @@ if __name__ == "__main__":
         # the sampler's log-probs against the trainer's, the correction's weights
         sums.update(tracking.sampler_sums(old_logp, torch.cat(sampler_logps), is_weights))
         summed = distributed.all_reduce_sums(sums, device)
-        max_length = torch.tensor([max(len(s.ids) for s in samples)], device=device)
-        dist.all_reduce(max_length, op=dist.ReduceOp.MAX)
+        maxima = tracking.step_maxima(samples, old_logp, torch.cat(sampler_logps), device)  # longest, largest gap
         metrics.update(
-            tracking.step_metrics(summed, args, grad_norms, skipped, scheduler, time.time() - step_start, max_length)
+            tracking.step_metrics(summed, args, grad_norms, skipped, scheduler, time.time() - step_start, maxima)
         )
         metrics.update(tracking.opening_metrics(entropies, batches, samples))  # the top 20% and first tokens
         metrics.update(sapo_metrics(summed))

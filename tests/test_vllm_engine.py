@@ -71,10 +71,14 @@ def test_a_rollout_ranks_engine_starts_without_sleep_mode(monkeypatch):
         vllm_sleep_level=2,
         seed=1,
         dtype="auto",
+        head_dtype="float32",
     )
     for serving, sleep_mode in ((False, True), (True, False)):
         vllm_engine.start_engine(args, 0, True, None, serving)
         assert started["enable_sleep_mode"] is sleep_mode, f"serving={serving}"
+        assert started["hf_overrides"] == {
+            "head_dtype": "float32"
+        }  # the trainer's head dtype (tests/test_head_dtype.py)
 
 
 def test_push_groups_are_consecutive_and_bounded_by_the_largest_parameter():

