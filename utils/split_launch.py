@@ -197,8 +197,9 @@ class RolloutClient:
             pass
         return outputs
 
-    def apply_model(self, function):
-        return function(self)  # push_weights' function calls load_weights on "the model": here
+    def apply_model(self, function) -> list:
+        function(self)  # push_weights' function calls load_weights on "the model": here
+        return []  # no worker here: each rollout rank checks what its engine loaded (rollout_rank.serve)
 
     def load_weights(self, weights: list) -> None:
         """Trainer 0 sends each (name, full tensor) to every rollout rank (ZeRO-3: every trainer gathered it)."""
