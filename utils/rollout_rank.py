@@ -8,13 +8,13 @@ import sys
 import threading
 from queue import Queue
 
-import torch
 import torch.distributed as dist
 
 from . import rollouts
 from .process import StopSignal, shutdown
 from .sampler import make_sampler
-from .split_launch import broadcast, send
+from .split_launch import broadcast, receive_group, send
+from .vllm_engine import check_written, load_group
 
 _told, _telling = threading.Event(), threading.Lock()
 
@@ -80,11 +80,11 @@ def serve(launch, args, tokenizer, train_data: list, grading_workers: int) -> in
             )
             for r in played:
                 sender.queue.put((r, ("batch", parts[r], stop.requested)))
-        elif kind == "weights":  # (name, shape, dtype) then the tensor, until None
+        elif kind == "weights":  # a group's (name, shape, dtype) list, then its buffers, until None
+            written = []
             while (header := broadcast(None, launch.link)) is not None:
-                name, shape, dtype = header
-                tensor = broadcast(None, launch.weights, torch.empty(shape, dtype=dtype, device=launch.device))
-                engine.apply_model(lambda model: model.load_weights([(name, tensor)]))  # noqa: B023 (called at once)
+                load_group(engine, receive_group(header, launch), written)
+            check_written(engine, written)  # every parameter of its engine written: or one line, and the rank stops
             engine.reset_prefix_cache()
         elif kind == "generate":  # evaluation: each trainer's requests, on the engine of the rank that plays it
             mine = [r for r in range(T) if (r % K) // tp == rank // tp]  # the trainers of this rank's engine

@@ -5,6 +5,7 @@ import atexit
 import gc
 import os
 import time
+import weakref
 
 import deepspeed
 import torch
@@ -192,18 +193,77 @@ def push_groups(params: list) -> list:
 
 def push_weights(policy, sampler, zero_stage: int, wake: bool = False) -> None:
     """Copy the policy's current weights into the local vLLM sampler, a group of parameters at a time (push_groups;
-    ZeRO-3: each group gathered at once); `wake`: the sampler sleeps, so first wake its weights, and afterwards its KV
-    cache."""
+    ZeRO-3: each group gathered at once), then check that every parameter of the engine was written (check_written);
+    `wake`: the sampler sleeps, so first wake its weights, and afterwards its KV cache."""
     if wake:
         torch.cuda.empty_cache()  # the engine re-maps its memory outside PyTorch's cache: hand the cached blocks back
         sampler.wake_up(tags=["weights"])
+    written = []
     for group in push_groups(list(policy.module.named_parameters())):
         with deepspeed.zero.GatheredParameters([param for _, param in group], enabled=zero_stage == 3):
-            # the list made inside the call: no reference to the gathered tensors outlives the gather
-            sampler.apply_model(lambda model: model.load_weights([(n, p.data) for n, p in group]))  # noqa: B023
+            load_group(sampler, group, written)
+    check_written(sampler, written)
     sampler.reset_prefix_cache()
     if wake:
         sampler.wake_up(tags=["kv_cache"])
+
+
+def load_group(llm, group: list, written: list) -> None:
+    """One load_weights call per worker of `llm` (LLM.apply_model: a list, one entry per worker) for the (name, tensor)
+    pairs of `group`; adds the names of the engine parameters it wrote to `written` (a set per worker). vLLM 0.32's
+    load_weights returns the engine's own names of what it loaded (vllm/model_executor/models/utils.py l. 345, 397-400,
+    476-478: after its mapper renamed q/k/v into qkv_proj and gate/up into gate_up_proj, l. 473; a tied lm_head under
+    the embedding's name, l. 202-212), as named_parameters() names them. A name it does not know raises its ValueError
+    (l. 442-448, 318-322), turned into one line naming the pushed name (unknown_name)."""
+    try:
+        # the list made inside the call: no reference to a ZeRO-3 gathered tensor outlives the gather
+        loaded = llm.apply_model(lambda model: model.load_weights([(n, p.data) for n, p in group]))
+    except (ValueError, KeyError) as e:
+        raise SystemExit(unknown_name(llm, group, e))
+    for worker, names in enumerate(loaded):
+        if worker == len(written):
+            written.append(set())
+        written[worker] |= names
+
+
+def unknown_name(llm, group: list, error: Exception) -> str:
+    """The one line of a push that named a parameter the engine does not have: found by loading the group's names one
+    at a time (the run stops here, so the cost does not matter), with the first sentence of vLLM's reason."""
+    unknown = []
+    for name, param in group:
+        try:
+            llm.apply_model(lambda model: model.load_weights([(name, param.data)]))  # noqa: B023 (called at once)
+        except (ValueError, KeyError):
+            unknown.append(name)
+    reason = str(error).split(". ")[0].strip("'\"")  # vLLM's next sentence lists every parameter of the module
+    return (
+        f"error: the weight push sends {', '.join(unknown) or 'a group of parameters'}, which the vLLM engine cannot "
+        f"load ({reason}): the policy's parameter names are not the ones vLLM's loader knows (renamed between the "
+        f"transformers and vLLM versions?)"
+    )
+
+
+_ENGINE_NAMES = weakref.WeakKeyDictionary()
+"""An engine's parameter names per worker, computed at its first push (the names do not change between pushes)."""
+
+
+def check_written(llm, written: list) -> None:
+    """A one-line error unless a push wrote every parameter of the engine's model (`written`, from load_group): one
+    left out keeps its old value, so the engine would sample from an older policy than the loss assumes. A parameter
+    vLLM fuses from parts (qkv_proj from q/k/v) counts as written when one of its parts was: vLLM returns one name for
+    all of them. Nothing to check with no worker here (a trainer's RolloutClient: each rollout rank checks its own)."""
+    if not written:
+        return
+    if llm not in _ENGINE_NAMES:
+        _ENGINE_NAMES[llm] = llm.apply_model(lambda model: frozenset(n for n, _ in model.named_parameters()))
+    for names, have in zip(_ENGINE_NAMES[llm], written):
+        if missing := sorted(names - have):
+            raise SystemExit(
+                f"error: the weight push left {len(missing)} of the vLLM engine's {len(names)} parameters with their "
+                f"old weights ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): it would sample from a "
+                f"stale policy; no pushed tensor reaches them (left out of the push, or named so that vLLM's loader "
+                f"skips them: renamed between the transformers and vLLM versions?)"
+            )
 
 
 def close_engine(llm) -> None:
