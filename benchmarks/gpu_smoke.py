@@ -45,7 +45,10 @@ vLLM checks (`SKIP <check>: vLLM not installed` without it):
    <= GAP_MAX) and flat (the last <= 2 x the first + GAP_FLOOR). Sleep levels 2 and 0 and the v1 runner: GPU only.
 10. In one child (--in-process), the scripts' pieces in their order: make_policy, start_engine, then per sleep level 1,
    2, 0: generate, sleep, a training step, push_weights(..., wake=True); GPU memory printed at each stage.
-   memory-sleep: each sleep frees at least the weights, each wake takes back >= 90% of it (GPU only). push-sleep1, 2, 0:
+   memory-sleep (GPU only), before those cycles: at levels 1 and 2 a sleep, then a wake a tag at a time, the KV cache
+   first: the sleep frees the weights (what it freed beyond what the KV cache's wake took back is at least their
+   bytes; the KV cache, tens of GB, alone would pass a bound on all it freed) and their wake takes back >= 90% of
+   that (memory_sleep_verdict). push-sleep1, 2, 0:
    three parameters read back from the engine equal the trainer's exactly, the step changed them, the engine is awake,
    fresh samples' gap <= GAP_MAX and <= 2 x the fresh engine's + GAP_FLOOR (push-sleep1 and 2: GPU only).
 
@@ -302,6 +305,29 @@ def sleep_advice(worst: dict, passed: dict, hw: str) -> tuple[bool, str]:
     if passed[1]:
         return False, f"set --vllm-sleep-level's default to 1 (level 2 corrupts or drifts, level 1 does not); {shown}"
     return False, f"set --vllm-sleep-level's default to 0 (no sleep: both levels fail here); {shown}"
+
+
+def memory_sleep_verdict(
+    level: int, freed: int, kv_back: int, weights_back: int, weight_bytes: int
+) -> tuple[bool, str]:
+    """(PASS, the line's text) of memory-sleep at one level, from free GPU memory in bytes: `freed` by sleep(level),
+    then taken back by wake_up(tags=["kv_cache"]) (`kv_back`) and after it by wake_up(tags=["weights"])
+    (`weights_back`). The sleep frees the KV cache too, tens of GB, more than the weights: `freed` alone passes with the
+    weights still on the GPU. What the sleep freed beyond what the KV cache's wake took back is what left with the
+    weights (the first wake also maps back the small pools that every level frees: vLLM 0.32
+    device_allocator/cumem.py:348, sleep_mode_backend.py:134-137). PASS: that is at least the weights' bytes, and their
+    wake takes back >= 90% of it."""
+    left = freed - kv_back
+    text = (
+        f"sleep {level} freed {freed / GIB:.2f} GiB, the KV cache's wake took back {kv_back / GIB:.2f}: "
+        f"{left / GIB:.2f} GiB left with the weights ({weight_bytes / GIB:.2f} GiB), their wake took back "
+        f"{weights_back / GIB:.2f}"
+    )
+    if left < weight_bytes:
+        return False, f"{text}: the weights, or part of them, stayed on the GPU"
+    if weights_back < 0.9 * left:
+        return False, f"{text}: their wake took back less than 90% of it"
+    return True, text
 
 
 class Smoke:
@@ -826,32 +852,31 @@ def in_process(a) -> None:
 
     first_gap = gap(rollouts(0))
     say(f"INFO in-process: fresh engine vs trainer, mean |log-prob gap| {first_gap:.2e}")
+    if on_gpu:
+        memory_sleep(sampler, policy, args.zero_stage, weight_bytes, memory, say)
     levels = (1, 2, 0) if on_gpu else (0,)
     if not on_gpu:
         for level in (1, 2):
             say(f"SKIP push-sleep{level}: n/a on CPU (vLLM-CPU has no sleep mode; the scripts sleep on GPU only)")
         say("SKIP memory-sleep: n/a on CPU (GPU memory)")
-    memory_notes, memory_ok = [], True
     for i, level in enumerate(levels):
         batches = rollouts(i + 1)
         if level:
-            free_before_sleep = memory(f"before sleep {level}")
+            memory(f"before sleep {level}")
             sampler.sleep(level=level)
-            freed = memory(f"after sleep {level}") - free_before_sleep
+            memory(f"after sleep {level}")
         before = {n: policy.module.get_parameter(n).detach().clone() for n in names[:2]}
         train_step(batches)
         if i == 0 and on_gpu:
             memory("after the first training step")
         if level:
             torch.cuda.empty_cache()  # what PyTorch caches is not the engine's: measure the wake alone
-            free_before_wake = memory(f"before wake {level}")
+            memory(f"before wake {level}")
         start = time.time()
         vllm_engine.push_weights(policy, sampler, args.zero_stage, wake=level > 0)
         push_s = time.time() - start
         if level:
-            taken = free_before_wake - memory(f"after wake {level}")
-            memory_ok &= freed >= weight_bytes and taken >= 0.9 * freed
-            memory_notes.append(f"sleep {level} freed {freed / GIB:.2f} GiB, its wake took {taken / GIB:.2f} GiB")
+            memory(f"after wake {level}")
         awake = not sampler.llm_engine.is_sleeping() if hasattr(sampler.llm_engine, "is_sleeping") else True
         diffs = engine_vs_trainer(sampler, policy, names)
         changed = all(not torch.equal(before[n], policy.module.get_parameter(n)) for n in before)
@@ -867,14 +892,47 @@ def in_process(a) -> None:
             f"engine {'awake' if awake else 'still SLEEPING'} after {'wake + ' if level else ''}push "
             f"({push_s:.3f} s); fresh samples' gap {gap_text}"
         )
-    if on_gpu:
-        say(
-            f"{'PASS' if memory_ok else 'FAIL'} memory-sleep: {'; '.join(memory_notes)} (each sleep must free >= the "
-            f"{weight_bytes / GIB:.2f} GiB of weights, each wake take back >= 90% of it)"
-        )
     sampler = None  # vLLM tears down its own process groups first
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def memory_sleep(sampler, policy, zero_stage: int, weight_bytes: int, memory, say) -> None:
+    """memory-sleep: at levels 1 and 2, sleep(level), then wake_up(tags=["kv_cache"]), then wake_up(tags=["weights"]),
+    free GPU memory read after each; memory_sleep_verdict's line. Then the trainer's weights pushed back (level 2
+    discarded the engine's): the cycles after it start from an engine equal to the fresh one."""
+    import torch
+
+    from utils import vllm_engine
+
+    def free(label: str) -> int:
+        # every wake empties PyTorch's cache first (vLLM 0.32 device_allocator/cumem.py:342-343): emptied before each
+        # reading, blocks the trainer's allocator returns are not counted as the engine's
+        torch.cuda.empty_cache()
+        return memory(label)
+
+    oks, texts = [], []
+    try:
+        for level in (1, 2):
+            awake = free(f"before sleep {level} (memory-sleep)")
+            sampler.sleep(level=level)
+            asleep = free(f"after sleep {level} (memory-sleep)")
+            # a wake may name one tag; the other stays asleep until named (vLLM 0.32 entrypoints/llm.py:869-885,
+            # v1/executor/abstract.py:394-415, v1/engine/core.py:997-1019: the engine resumes when both are awake)
+            sampler.wake_up(tags=["kv_cache"])
+            kv_awake = free(f"after the KV cache's wake {level} (memory-sleep)")
+            sampler.wake_up(tags=["weights"])  # level 2: the buffers restored here (v1/worker/gpu_worker.py:337-345)
+            all_awake = free(f"after the weights' wake {level} (memory-sleep)")
+            back = asleep - kv_awake, kv_awake - all_awake
+            ok, text = memory_sleep_verdict(level, asleep - awake, *back, weight_bytes)
+            oks.append(ok)
+            texts.append(text)
+    except Exception as e:  # this order of the two wakes is the check's own (push_weights wakes the weights first)
+        oks.append(False)
+        texts.append(f"{type(e).__name__}: {e}")
+        sampler.wake_up()  # every tag still asleep (a no-op, with vLLM's warning, on an awake engine)
+    vllm_engine.push_weights(policy, sampler, zero_stage)  # level 2 discarded the weights: the trainer's are the same
+    say(f"{'PASS' if all(oks) else 'FAIL'} memory-sleep: {'; '.join(texts)}")
 
 
 def long_context(a) -> None:

@@ -9,16 +9,21 @@ searches its own knobs and, alike for all, the learning rate and the updates per
 The study lives in one journal file (optuna's JournalStorage): a killed tuner resumes where it stopped, on this machine
 or another day; a trial that was running when it was killed is marked failed and its point tried again.
 
+On GPUs the --parallel trials at a time never share one: worker slot k runs its trials on the visible GPUs
+[k x n, (k + 1) x n), n a trial's processes (--num-gpus, or 1 with the torch launcher), through CUDA_VISIBLE_DEVICES
+(within the tuner's own where it is set); more than the visible GPUs is refused before the study starts.
+
     python -m benchmarks.tune --method grpo_aent --trials 24 --steps 60 --journal benchmarks/results/tune/study.log
     python -m benchmarks.tune --method grpo_vanilla --trials 24 --steps 60 --journal ...   # the same budget
     # on GPUs: each trial through DeepSpeed's launcher, your own model and data after --
-    python -m benchmarks.tune --method grpo_aent --launcher deepspeed --num-gpus 8 --dry-run -- \\
+    python -m benchmarks.tune --method grpo_aent --launcher deepspeed --num-gpus 8 --parallel 1 --dry-run -- \\
         --model-name-or-path Qwen/Qwen2.5-Math-1.5B --dataset <train file> --eval-dataset <test file>
 """
 
 import argparse
 import json
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -87,11 +92,45 @@ def suggest(trial, method: str) -> dict:
     return flags
 
 
-def command(a, method: str, flags: dict, out: str, port: int) -> list:
-    """The trial's command line, as a user launches the script: torch's launcher (CPU) or DeepSpeed's (GPUs)."""
+def visible_gpus() -> list:
+    """The GPUs the tuner may hand out, as CUDA_VISIBLE_DEVICES entries: its own entries where it is set, else 0 .. the
+    device count - 1; none on a CPU host (a stray CUDA_VISIBLE_DEVICES there changes nothing)."""
+    import torch
+
+    # CUDA_VISIBLE_DEVICES' valid entries, up to the first invalid one, read without starting CUDA (torch 2.13
+    # torch/cuda/__init__.py:1150-1175, _device_count_nvml at :1092)
+    count = torch.cuda.device_count()
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if count == 0 or listed is None:
+        return [str(i) for i in range(count)]
+    return [entry.strip() for entry in listed.split(",")][:count]
+
+
+def slot_devices(gpus: list, parallel: int, per_trial: int, per_trial_flag: str) -> list:
+    """Worker slot k's CUDA_VISIBLE_DEVICES: gpus[k x per_trial, (k + 1) x per_trial), disjoint, so two trials never put
+    their colocated vLLM engines on one GPU (the second fails its memory check); None per slot without GPUs (a CPU host:
+    the environment unchanged). ValueError, one line naming the flags, where the slots need more GPUs than `gpus`."""
+    if parallel < 1:
+        raise ValueError(f"--parallel {parallel}: at least 1 trial at a time")
+    if not gpus:
+        return [None] * parallel
+    if parallel * per_trial > len(gpus):
+        raise ValueError(
+            f"--parallel {parallel} x {per_trial_flag} needs {parallel * per_trial} GPUs, {len(gpus)} visible "
+            f"({','.join(gpus)}): lower --parallel{' or --num-gpus' if per_trial_flag.startswith('--') else ''}"
+        )
+    return [",".join(gpus[k * per_trial : (k + 1) * per_trial]) for k in range(parallel)]
+
+
+def command(a, method: str, flags: dict, out: str, port: int, devices: str | None = None) -> list:
+    """The trial's command line, as a user launches the script: torch's launcher (CPU) or DeepSpeed's (GPUs). `devices`:
+    the trial's CUDA_VISIBLE_DEVICES (trial_env), which DeepSpeed's launcher then takes instead of --num_gpus."""
     script = os.path.join(ROOT, method.removesuffix("_top") + ".py")
     if a.launcher == "deepspeed":
-        launch = ["deepspeed", "--num_gpus", str(a.num_gpus), "--master_port", str(port), script]
+        # with --num_gpus DeepSpeed ignores and deletes CUDA_VISIBLE_DEVICES and runs on GPUs 0 .. n-1 (deepspeed 0.19.8
+        # launcher/runner.py:451-460, 400-403); without it, it turns the variable into --include localhost:<ids> (:458)
+        gpus = [] if devices else ["--num_gpus", str(a.num_gpus)]
+        launch = ["deepspeed", *gpus, "--master_port", str(port), script]
     else:
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(port)]
         launch.append(script)
@@ -100,6 +139,16 @@ def command(a, method: str, flags: dict, out: str, port: int) -> list:
     for flag, value in flags.items():
         args += [f"--{flag}", str(value)]
     return launch + args + a.extra
+
+
+def trial_env(devices: str | None) -> dict | None:
+    """The trial's environment: the tuner's, with the slot's CUDA_VISIBLE_DEVICES; None (inherited) without GPUs."""
+    return None if devices is None else {**os.environ, "CUDA_VISIBLE_DEVICES": devices}
+
+
+def shown(cmd: list, devices: str | None) -> str:
+    """The command as a shell line (command.txt, --dry-run), its devices in front."""
+    return " ".join(([f"CUDA_VISIBLE_DEVICES={devices}"] if devices else []) + cmd)
 
 
 def last_evaluation(run_dir: str) -> tuple:
@@ -116,7 +165,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=60, help="training steps of every trial")
     p.add_argument("--journal", required=True, help="the study's file (optuna's journal): resumed if it exists")
     p.add_argument("--output-dir", default="runs/tune", help="each trial's run: <output-dir>/<method>/trial_<n>/")
-    p.add_argument("--parallel", type=int, default=2, help="trials at a time (each one process: one core on a CPU)")
+    p.add_argument("--parallel", type=int, default=2, help="trials at a time (one core each on a CPU; GPUs: its own)")
     p.add_argument("--seed", type=int, default=1, help="the runs' seed and the sampler's")
     p.add_argument("--launcher", choices=["torch", "deepspeed"], default="torch")
     p.add_argument("--num-gpus", type=int, default=8, help="--launcher deepspeed: GPUs of each trial")
@@ -124,6 +173,13 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the first trial's command and stop")
     p.add_argument("extra", nargs="*", help="after --: flags for every trial (GPUs: the model and the data)")
     a = p.parse_args(argv)
+    per_trial = a.num_gpus if a.launcher == "deepspeed" else 1
+    per_trial_flag = f"--num-gpus {a.num_gpus}" if a.launcher == "deepspeed" else "1 GPU a trial (--launcher torch)"
+    try:  # before the study is touched: a refusal writes nothing
+        slots = slot_devices(visible_gpus(), a.parallel, per_trial, per_trial_flag)
+    except ValueError as e:
+        print(f"tune.py: error: {e}", file=sys.stderr)
+        return 2
 
     import optuna
     from optuna.storages import JournalStorage
@@ -132,7 +188,8 @@ def main(argv=None) -> int:
 
     if a.dry_run:
         flags = suggest(optuna.trial.FixedTrial(defaults(a.method)), a.method)
-        print(" ".join(command(a, a.method, flags, os.path.join(a.output_dir, a.method, "trial_0"), a.port)))
+        out = os.path.join(a.output_dir, a.method, "trial_0")
+        print(shown(command(a, a.method, flags, out, a.port, slots[0]), slots[0]))
         return 0
     os.makedirs(os.path.dirname(os.path.abspath(a.journal)), exist_ok=True)
     storage = JournalStorage(JournalFileBackend(a.journal))
@@ -150,16 +207,26 @@ def main(argv=None) -> int:
         study.enqueue_trial(t.params)
         print(f"trial {t.number} was running when the tuner stopped: failed, its point queued again")
     lock = threading.Lock()
+    # the free worker slots: optuna runs at most n_jobs objectives at a time (optuna 5.1 study/_optimize.py:101-104),
+    # so a trial always finds one, and returns it when it ends
+    free = queue.SimpleQueue()
+    for slot in range(a.parallel):
+        free.put(slot)
 
     def objective(trial) -> tuple:
         flags = suggest(trial, a.method)
         out = os.path.abspath(os.path.join(a.output_dir, a.method, f"trial_{trial.number}"))
         os.makedirs(out, exist_ok=True)
-        cmd = command(a, a.method, flags, out, a.port + trial.number)
-        with open(os.path.join(out, "command.txt"), "w") as f:
-            f.write(" ".join(cmd) + "\n")
-        with open(os.path.join(out, "log.txt"), "w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+        slot = free.get()
+        try:
+            devices = slots[slot]
+            cmd = command(a, a.method, flags, out, a.port + trial.number, devices)
+            with open(os.path.join(out, "command.txt"), "w") as f:
+                f.write(shown(cmd, devices) + "\n")
+            with open(os.path.join(out, "log.txt"), "w") as log:
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=trial_env(devices)).returncode
+        finally:
+            free.put(slot)
         if rc != 0:
             raise RuntimeError(f"trial {trial.number} exited {rc}: {out}/log.txt")
         (run_dir,) = [os.path.join(out, d) for d in os.listdir(out) if os.path.isdir(os.path.join(out, d))]

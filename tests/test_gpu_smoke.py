@@ -4,7 +4,7 @@ SFT term on the testbed with HF generate, the kernels against float64, benchmark
 long-context child's ZeRO-2/ZeRO-3 buffers and log-probs; not the other scripts' runs) and the vLLM ones say it is not
 installed. With it: the vLLM checks that run on a CPU pass (the long-context child's gaps and push cycles, rollout-ranks
 on 2 CPU processes), the GPU-only ones say so. The verdicts that only a GPU reaches (a bf16 inv_freq, the sleep-level
-advice, rollout-ranks' GPU count) on made-up inputs."""
+advice, the memory a sleep frees, rollout-ranks' GPU count) on made-up inputs."""
 
 import math
 import os
@@ -156,6 +156,61 @@ def test_the_sleep_level_advice():
     assert not keep and advice.startswith("set --vllm-sleep-level's default to 0"), advice
     keep, advice = gpu_smoke.sleep_advice({0: 0.5, 1: 0.5, 2: 0.5}, {0: False, 1: False, 2: False}, hw)
     assert not keep and advice.startswith("no advice on the level"), advice
+
+
+def test_memory_sleep_counts_the_weights_not_the_kv_cache():
+    """memory-sleep on made-up bytes at the in-process check's size: a 40 GiB KV cache, 2.9 GiB of weights and the small
+    pools every sleep frees and the first wake maps back. Its previous bound (all the sleep freed >= the weights)
+    passed an engine that kept its weights, the KV cache alone being larger."""
+    gib = gpu_smoke.GIB
+    weights, kv, pools = int(2.9 * gib), 40 * gib, gib // 4
+    verdict = gpu_smoke.memory_sleep_verdict
+    ok, text = verdict(1, kv + pools + weights + 2**21, kv + pools, weights + 2**21, weights)  # both freed
+    assert ok and "the KV cache's wake took back 40.25: 2.90 GiB left with the weights (2.90 GiB)" in text, text
+    assert verdict(2, kv + pools + weights, kv + pools, weights, weights)[0]
+    ok, text = verdict(1, kv + pools, kv + pools, 0, weights)  # the KV cache freed, the weights kept
+    assert not ok and text.endswith("the weights, or part of them, stayed on the GPU"), text
+    ok, text = verdict(2, kv + pools + weights // 2, kv + pools, weights // 2, weights)  # half of them kept
+    assert not ok and text.endswith("stayed on the GPU"), text
+    ok, text = verdict(1, kv + pools + weights, kv + pools, weights // 2, weights)  # freed, not mapped back
+    assert not ok and text.endswith("their wake took back less than 90% of it"), text
+
+
+class Engine:
+    """vLLM's sleep and wake by tag, as free GPU memory: a 40 GiB KV cache, the weights (kept on the GPU if `keeps`)."""
+
+    def __init__(self, weights: int, keeps: bool):
+        self.sizes, self.keeps, self.free, self.asleep = (
+            {"kv_cache": 40 * gpu_smoke.GIB, "weights": weights},
+            keeps,
+            0,
+            [],
+        )
+
+    def sleep(self, level):
+        self.asleep = ["kv_cache"] if self.keeps else ["kv_cache", "weights"]
+        self.free += sum(self.sizes[t] for t in self.asleep)
+
+    def wake_up(self, tags=None):
+        for tag in [t for t in tags or list(self.sizes) if t in self.asleep]:
+            self.asleep.remove(tag)
+            self.free -= self.sizes[tag]
+
+
+@pytest.mark.parametrize("keeps", [False, True])
+def test_memory_sleep_reads_the_memory_a_tag_at_a_time(monkeypatch, keeps):
+    """memory_sleep's readings (the GPU-only code around the verdict) on a stand-in engine: its line, and the trainer's
+    weights pushed back once at the end."""
+    from utils import vllm_engine
+
+    pushed, lines, weights = [], [], 3 * gpu_smoke.GIB
+    monkeypatch.setattr(vllm_engine, "push_weights", lambda policy, sampler, zero_stage: pushed.append(zero_stage))
+    engine = Engine(weights, keeps)
+    gpu_smoke.memory_sleep(engine, "policy", 2, weights, lambda label: engine.free, lines.append)
+    assert pushed == [2] and engine.asleep == [] and len(lines) == 1, lines
+    left = "0.00" if keeps else "3.00"
+    assert lines[0].startswith(f"{'FAIL' if keeps else 'PASS'} memory-sleep: sleep 1 freed "), lines
+    assert lines[0].count(f"the KV cache's wake took back 40.00: {left} GiB left with the weights (3.00 GiB)") == 2
 
 
 def smoke_on(hw: str, gpus: int, on_cpu: bool = False):
