@@ -599,6 +599,63 @@ def train_check(s: Smoke, sleep_level: int, v1: bool = False, zero3: bool = Fals
     ]
 
 
+def peak_gib(res: Result) -> float:
+    """The run's peak GPU memory (GiB, PyTorch's allocator) from its SMOKE-PEAK line; NaN without one (a CPU)."""
+    peaks = [float(line.split()[1]) for line in res.out.splitlines() if line.startswith("SMOKE-PEAK ")]
+    return peaks[-1] if peaks else math.nan
+
+
+def head_check(s: Smoke) -> list:
+    """--head-dtype: --steps steps of grpo_vanilla.py with vLLM, both heads float32 (the default) and both in the
+    weights' dtype (bf16; on a CPU --dtype bfloat16): the sampler's log-probs against the trainer's (mean and largest
+    |gap|, the mismatch KL), step time and peak memory side by side. FAIL: the float32 heads' mean gap is not below
+    the bf16 heads' (benchmarks/results/head_dtype.md: 20% below on the CPU; one side float32 alone is 30% above)."""
+    flags = {"dtype": "bfloat16"} if s.hw == "cpu" else {}
+    seen = {}
+    for head in ("float32", "model"):
+        out_dir, res, fail = s.run_script(f"head-{head}", "grpo_vanilla.py", {**flags, "head-dtype": head}, s.a.steps)
+        if fail:
+            return fail
+        rows = [r for r in s.metrics(out_dir) if "rollout/vllm_logprob_gap" in r]
+        seen[head] = {
+            "gap": sum(r["rollout/vllm_logprob_gap"] for r in rows) / len(rows),
+            "max": max(r["rollout/vllm_logprob_gap_max"] for r in rows),
+            "kl": sum(r["rollout/vllm_mismatch_kl"] for r in rows) / len(rows),
+            "step": sum(r["time/step"] for r in rows[1:] or rows) / len(rows[1:] or rows),
+            "peak": peak_gib(res),
+        }
+    text = "; ".join(
+        f"{head}: mean |gap| {v['gap']:.2e}, max {v['max']:.2e}, mismatch KL {v['kl']:.2e}, step {v['step']:.2f} s, "
+        f"peak {v['peak']:.2f} GiB"
+        for head, v in seen.items()
+    )
+    ok = seen["float32"]["gap"] < seen["model"]["gap"]
+    return [f"{'PASS' if ok else 'FAIL'} head-dtype: {text}" + ("" if ok else " (float32 not below bf16)")]
+
+
+def determinism_check(s: Smoke) -> list:
+    """--full-determinism: a seeded --steps-step run of grpo_vanilla.py with vLLM twice with the switch, every metric
+    but the times bit for bit equal; a third run without it, for the switch's cost (step time, peak memory)."""
+    runs = {}
+    for name, flags in (("on", {"full-determinism": True}), ("again", {"full-determinism": True}), ("off", {})):
+        out_dir, res, fail = s.run_script(f"determinism-{name}", "grpo_vanilla.py", flags, s.a.steps)
+        if fail:
+            return fail
+        runs[name] = (s.metrics(out_dir), peak_gib(res))
+    (on, peak_on), (again, _), (off, peak_off) = runs["on"], runs["again"], runs["off"]
+    untimed = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "charts/"))} for r in rows]  # noqa: E731
+    differ = sorted({k for a, b in zip(untimed(on), untimed(again)) for k in a if a[k] != b.get(k)})
+    step = lambda rows: sum(r["time/step"] for r in rows[1:] or rows) / len(rows[1:] or rows)  # noqa: E731
+    changed = sum(a != b for a, b in zip(untimed(on), untimed(off)))  # the switch's kernels round otherwise
+    cost = (
+        f"step {step(on):.2f} s with it, {step(off):.2f} s without (x{step(on) / step(off):.2f}); peak "
+        f"{peak_on:.2f} / {peak_off:.2f} GiB; the metrics without it differ in {changed} of {len(on)} steps"
+    )
+    if differ or len(on) != len(again):
+        return [f"FAIL determinism: two seeded runs with --full-determinism differ in {', '.join(differ[:5])}; {cost}"]
+    return [f"PASS determinism: two seeded runs with --full-determinism equal bit for bit ({len(on)} steps); {cost}"]
+
+
 def rollout_unavailable(s: Smoke) -> str | None:
     """Why rollout-ranks cannot run here (torch.cuda.device_count() < 2, or a CPU), or None."""
     if s.hw == "gpu" and s.gpus < 2:
@@ -670,6 +727,10 @@ def probe(argv: list) -> None:
     DeepSpeedEngine.step = step
     sys.argv = argv
     runpy.run_path(argv[0], run_name="__main__")
+    import torch
+
+    if torch.cuda.is_available():  # this process's peak of PyTorch's allocator (vLLM's own pool not counted)
+        print(f"SMOKE-PEAK {torch.cuda.max_memory_allocated() / 2**30:.2f}", flush=True)
 
 
 def engine_vs_trainer(sampler, policy, names: list) -> dict:
@@ -1317,6 +1378,8 @@ def main():
             "in-process", lambda: child_check(s, "--in-process", PUSH_LINES, 1.5), PUSH_LINES, True, alone=True, eta=210
         ),
         Group("bench", lambda: bench_check(s), alone=True, eta=270),
+        Group("head-dtype", lambda: head_check(s), (), True, alone=True, eta=150),
+        Group("determinism", lambda: determinism_check(s), (), True, alone=True, eta=220),
     ]
     chosen = a.checks.split(",") if a.checks else [g.name for g in groups]
     unknown = sorted(set(chosen) - {g.name for g in groups})

@@ -114,6 +114,19 @@ def test_with_vllm_the_cpu_runnable_vllm_checks_pass(tmp_path):
     assert any(line.startswith("| sleep / wake / push cycle") and "n/a on CPU" in line for line in lines)
 
 
+@pytest.mark.vllm
+def test_the_head_dtype_and_determinism_checks_run_their_comparisons(tmp_path):
+    """head-dtype (bf16 on the CPU: float32 heads' gap below bf16 heads') and determinism (two seeded runs with
+    --full-determinism equal bit for bit, the cost against a run without) on the CPU, as the GPU will run them."""
+    flags = ("--checks", "head-dtype,determinism", "--steps", "2")
+    lines, status = smoke(tmp_path, {**os.environ, **CPU_ENV}, *flags)
+    assert status == {"head-dtype": "PASS", "determinism": "PASS"}, lines
+    (head,) = [line for line in lines if line.startswith("PASS head-dtype:")]
+    assert re.search(r"float32: mean \|gap\| [\d.e-]+, max [\d.e-]+, mismatch KL [\d.e-]+, step [\d.]+ s", head), head
+    (same,) = [line for line in lines if line.startswith("PASS determinism:")]
+    assert "equal bit for bit (2 steps)" in same and "differ in 0 of 2 steps" in same, same  # the CPU: no change
+
+
 def test_a_missing_package_is_one_error_line_and_the_budget_skips_what_it_cannot_start(tmp_path):
     cmd = [sys.executable, "-m", "benchmarks.gpu_smoke", "--cpu", "--out", str(tmp_path / "s.txt")]
     proc = subprocess.run(cmd, cwd=ROOT, env=hiding(tmp_path, "deepspeed"), capture_output=True, text=True, timeout=120)
