@@ -330,7 +330,7 @@ def clamped_entropy(logits: torch.Tensor, clamp_p: float, block: int | None = No
     where a block's passes stay in the cache and cost ~20 thread synchronisations, not ~18 a row; 16M elsewhere),
     keeping per-row scalars only."""
     n, vocab = logits.shape[0], logits.shape[-1]
-    block = block or (1 << 20 if logits.device.type == "cpu" else 1 << 24)
+    block = block or (1 << 20 if logits.is_cpu else 1 << 24)
     blocks = max(1, -(-n * vocab // block))
     return ClampedEntropy.apply(logits, min(int(clamp_p * vocab), vocab - 1), max(1, -(-n // blocks)))
 
