@@ -502,20 +502,20 @@ if __name__ == "__main__":
         for epoch in range(args.num_epochs):
             for m in range(args.num_mini_batches):
                 mini = minis[m]
-                mini_lengths = torch.cat([batches[i]["lengths"] * counted[batches[i]["index"]] for i in mini])
+                lengths, in_loss, sizes = batching.mini_batch_samples(batches, mini, counted)  # on the CPU
                 totals = distributed.all_reduce_sums(
-                    {"tokens": mini_lengths.sum().item(), "seqs": mini_lengths.count_nonzero().item()}, device
+                    {"tokens": lengths[in_loss].sum().item(), "seqs": lengths[in_loss].count_nonzero().item()}, device
                 )
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
+                mini_weights = token_weights(lengths, in_loss, *aggregation).to(device)  # one copy per mini-batch
                 if args.cegppo_sft_coef:  # CE-GPPO's SFT term: a mean over the mini-batch's correct tokens, all ranks
                     correct = {i: correct_tokens(indices[i], graded, batches[i]["lengths"], device) for i in mini}
                     n_correct = distributed.all_reduce_sums({"n": sum(c.sum() for c in correct.values())}, device)["n"]
                 selector.start(mini, batches, entropies, bool(epoch or m))  # the 80/20 rule, global scope
-                for i in mini:
+                for i, weights in zip(mini, mini_weights.split(sizes)):
                     batch = batches[i]
                     logp, entropy, _ = logprobs(policy, batch, with_entropy=train_entropy)
                     old_logp, adv = old_logps[i], batch["advantages"]
-                    weights = token_weights(batch["lengths"], counted[batch["index"]], *aggregation).to(device)
                     token_loss, clipped = gppo_loss(logp, old_logp, adv, *clip, *betas)  # CE-GPPO
                     for branch, grad in branch_gradients(logp.detach() - old_logp, adv, *clip, *betas).items():
                         sums[f"grad_{branch}"] += (grad * weights).sum().double()  # CE-GPPO: which branch pushes

@@ -511,20 +511,20 @@ if __name__ == "__main__":
         for epoch in range(args.num_epochs):
             for m in range(args.num_mini_batches):
                 mini = minis[m]
-                mini_lengths = torch.cat([batches[i]["lengths"] * counted[batches[i]["index"]] for i in mini])
+                lengths, in_loss, sizes = batching.mini_batch_samples(batches, mini, counted)  # on the CPU
                 totals = distributed.all_reduce_sums(
-                    {"tokens": mini_lengths.sum().item(), "seqs": mini_lengths.count_nonzero().item()}, device
+                    {"tokens": lengths[in_loss].sum().item(), "seqs": lengths[in_loss].count_nonzero().item()}, device
                 )
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
+                mini_weights = token_weights(lengths, in_loss, *aggregation).to(device)  # one copy per mini-batch
                 if args.lpreg_scope == "global":  # Lp-Reg: one selection over the mini-batch of all ranks, first
                     current = current_logprobs(logprobs, policy, batches, mini, old_logps, bool(epoch or m))
                     mini_selected = lpreg_global_selection(current, proxies, batches, mini, args.lpreg_rho)
                 selector.start(mini, batches, entropies, bool(epoch or m))  # the 80/20 rule, global scope
-                for i in mini:
+                for i, weights in zip(mini, mini_weights.split(sizes)):
                     batch = batches[i]
                     logp, entropy, _ = logprobs(policy, batch, with_entropy=train_entropy)
                     old_logp, adv = old_logps[i], batch["advantages"]
-                    weights = token_weights(batch["lengths"], counted[batch["index"]], *aggregation).to(device)
                     token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)
                     if args.lpreg_scope == "global":
                         selected = mini_selected[i - mini.start]

@@ -347,7 +347,7 @@ def sapo_loss(logp, old_logp, advantages, tau_pos: float, tau_neg: float):
     +-20 (verl 0.9.1), tau = tau_pos where A > 0, else tau_neg; and each token's gate w = 4 s (1 - s), s the sigmoid
     (detached): its gradient is -A r w."""
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
-    tau = torch.where(advantages > 0, advantages.new_tensor(tau_pos), advantages.new_tensor(tau_neg))
+    tau = torch.full_like(advantages, tau_neg).masked_fill_(advantages > 0, tau_pos)  # filled: no copy from the host
     sigmoid = torch.sigmoid(tau * (ratio - 1.0))
     return -(sigmoid * 4.0 / tau) * advantages, (4.0 * sigmoid * (1.0 - sigmoid)).detach()
 
@@ -468,17 +468,17 @@ if __name__ == "__main__":
         for epoch in range(args.num_epochs):
             for m in range(args.num_mini_batches):
                 mini = minis[m]
-                mini_lengths = torch.cat([batches[i]["lengths"] * counted[batches[i]["index"]] for i in mini])
+                lengths, in_loss, sizes = batching.mini_batch_samples(batches, mini, counted)  # on the CPU
                 totals = distributed.all_reduce_sums(
-                    {"tokens": mini_lengths.sum().item(), "seqs": mini_lengths.count_nonzero().item()}, device
+                    {"tokens": lengths[in_loss].sum().item(), "seqs": lengths[in_loss].count_nonzero().item()}, device
                 )
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
+                mini_weights = token_weights(lengths, in_loss, *aggregation).to(device)  # one copy per mini-batch
                 selector.start(mini, batches, entropies, bool(epoch or m))  # the 80/20 rule, global scope
-                for i in mini:
+                for i, weights in zip(mini, mini_weights.split(sizes)):
                     batch = batches[i]
                     logp, entropy, _ = logprobs(policy, batch, with_entropy=train_entropy)
                     old_logp, adv = old_logps[i], batch["advantages"]
-                    weights = token_weights(batch["lengths"], counted[batch["index"]], *aggregation).to(device)
                     token_loss, gate = sapo_loss(logp, old_logp, adv, args.sapo_tau_pos, args.sapo_tau_neg)  # SAPO
                     clipped = gate < 0.5  # SAPO: the tokens whose gradient the gate halved or more
                     token_loss = token_loss * is_weights[i][0]  # the sampler's tokens, weighted to the trainer's

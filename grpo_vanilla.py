@@ -428,17 +428,17 @@ if __name__ == "__main__":
         for epoch in range(args.num_epochs):
             for m in range(args.num_mini_batches):
                 mini = minis[m]
-                mini_lengths = torch.cat([batches[i]["lengths"] * counted[batches[i]["index"]] for i in mini])
+                lengths, in_loss, sizes = batching.mini_batch_samples(batches, mini, counted)  # on the CPU
                 totals = distributed.all_reduce_sums(
-                    {"tokens": mini_lengths.sum().item(), "seqs": mini_lengths.count_nonzero().item()}, device
+                    {"tokens": lengths[in_loss].sum().item(), "seqs": lengths[in_loss].count_nonzero().item()}, device
                 )
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
+                mini_weights = token_weights(lengths, in_loss, *aggregation).to(device)  # one copy per mini-batch
                 selector.start(mini, batches, entropies, bool(epoch or m))  # the 80/20 rule, global scope
-                for i in mini:
+                for i, weights in zip(mini, mini_weights.split(sizes)):
                     batch = batches[i]
                     logp, entropy, _ = logprobs(policy, batch, with_entropy=train_entropy)
                     old_logp, adv = old_logps[i], batch["advantages"]
-                    weights = token_weights(batch["lengths"], counted[batch["index"]], *aggregation).to(device)
                     token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)
                     token_loss = token_loss * is_weights[i][0]  # the sampler's tokens, weighted to the trainer's
                     token_loss = selector.keep(i, token_loss, entropy, sums)  # the 80/20 rule: the kept tokens only

@@ -1,6 +1,8 @@
 """The device rehearsal (tests/device_rehearsal.py): every method file's training step with its tensors' devices
-followed as on a GPU, over every flag that changes the step's code path; and the rehearsal's rules, each shown to
-raise on the bug it is for (the two crashes found by reading: GSPO's lengths before e2a7afc, CE-GPPO's SFT term)."""
+followed as on a GPU, over every flag that changes the step's code path, its host-to-accelerator copies per update
+bounded; and the rehearsal's rules, each shown to raise on the bug it is for (the two crashes found by reading: GSPO's
+lengths before e2a7afc, CE-GPPO's SFT term; a 0-dim host tensor outside an elementwise op, accelerator indices into a
+host tensor, a mix inside a GPU branch, the token weights copied in every micro-batch)."""
 
 import os
 import re
@@ -110,6 +112,20 @@ def accelerator_calls(proc) -> list:
     return [int(n) for n in re.findall(r"device rehearsal: \d+ calls checked, (\d+) with accelerator", proc.stderr)]
 
 
+def copies_per_update(proc) -> list:
+    """Each trainer rank's (most host-to-accelerator copies in one update of its loop, most micro-batches in one)."""
+    found = re.findall(r"at most (\d+) in one of its [1-9]\d* updates \(of at most (\d+) micro-batches\)", proc.stderr)
+    return [(int(copies), int(micro_batches)) for copies, micro_batches in found]
+
+
+COPIES_PER_UPDATE = 2  # the mini-batch's token weights, and a global selection's sample order (in_sample_order)
+PER_MICRO_BATCH = {  # the copies left in a micro-batch (each a stream synchronisation on a GPU), bounded here
+    "grpo_gspo.py": 2,  # sequence_log_ratios and gspo_sums move the collated CPU lengths
+    "grpo_cegppo.py": 2,  # correct_tokens: the grades and the lengths (with --cegppo-sft-coef)
+    "grpo_clipcov.py": 1,  # clip_cov_select's draw, made by a CPU generator for reproducibility
+}
+
+
 def test_every_method_file_is_rehearsed():
     scripts = {f for f in os.listdir(ROOT) if f.startswith("grpo_") and f.endswith(".py")}
     assert scripts == {script for script, _ in RUNS.values()}, "a method file without a device rehearsal run"
@@ -122,6 +138,10 @@ def test_the_step_keeps_every_tensor_on_its_device(testbed, tmp_path, name):
     assert len(read_metrics(run_dir(tmp_path))) >= STEP["total-steps"]
     counts = accelerator_calls(proc)
     assert counts and max(counts) > 1000, f"the run met no accelerator tensor: {counts}"
+    per_update = copies_per_update(proc)
+    assert per_update, "no optimizer update counted"
+    for copies, micro_batches in per_update:
+        assert copies <= COPIES_PER_UPDATE + PER_MICRO_BATCH.get(script, 0) * micro_batches, proc.stderr[-2000:]
 
 
 def test_the_gpu_benchmark_keeps_every_tensor_on_its_device(tmp_path):
@@ -223,3 +243,86 @@ def test_models_and_factories_follow_the_accelerator():
         with pytest.raises(DeviceMixError, match="numpy"):
             y.detach().numpy()
         assert y.detach().cpu().numpy().shape == (4, 2)
+
+
+# ---- the rules of issue 70 (part 4), each on the bug it is for ----
+def test_a_0dim_host_tensor_is_a_scalar_to_elementwise_ops_only():
+    """CUDA reads a 0-dim CPU tensor as a scalar in its elementwise (TensorIterator) kernels only: a host zero stacked
+    with an accelerator statistic raises at the stack, as do cat, index_select, where's condition and an out=."""
+    with Rehearsal():
+        _, logp = lengths_and_logp()
+        zero = torch.tensor(0.0)  # made without device=: on the host
+        logp * zero, zero - logp, torch.where(logp > 0, zero, logp), logp.clamp(max=zero), logp.lerp(logp, zero)
+        with pytest.raises(DeviceMixError, match=r"stack\(\) mixes devices: a host tensor \(\) float32 .* elementwise"):
+            torch.stack([logp.sum(), zero])  # the bug: a metric's host default beside an accelerator sum
+        assert torch.stack([logp.sum(), logp.new_zeros(())]).device == ACCELERATOR  # the fix: made on its device
+        for bug in (
+            lambda: torch.cat([logp, zero[None]]),
+            lambda: logp.index_select(0, torch.tensor(1)),
+            lambda: torch.where(torch.tensor(True), logp, logp),
+            lambda: torch.mul(logp.sum(), 2.0, out=torch.tensor(0.0)),
+        ):
+            with pytest.raises(DeviceMixError, match="mixes devices"):
+                bug()
+
+
+def test_accelerator_indices_into_a_host_tensor_raise():
+    """A selection made on the accelerator indexing a collated batch's CPU lengths: CUDA stops at the indexing line
+    ('indices should be either on cpu or on the same device as the indexed tensor'), reading or writing; CPU indices
+    into an accelerator tensor, and a 0-dim one read as a number, pass."""
+    with Rehearsal():
+        lengths, logp = lengths_and_logp()
+        kept = (logp[:2] >= 0).nonzero().squeeze(-1)  # on the accelerator
+        with pytest.raises(DeviceMixError, match=r"__getitem__\(\) indexes a host tensor \(2,\) int64 with an accel"):
+            lengths[kept]
+        with pytest.raises(DeviceMixError, match="__setitem__"):
+            lengths[kept] = 0
+        with pytest.raises(DeviceMixError, match="index_put_"):
+            lengths.index_put_((kept,), torch.tensor(0))
+        assert lengths.to(logp.device)[kept].device == ACCELERATOR and lengths[kept.cpu()].device.type == "cpu"
+        assert logp[lengths - 1].device == ACCELERATOR and lengths[kept[0]].shape == ()
+
+
+def test_gpu_branches_run_and_a_mix_inside_one_raises(monkeypatch):
+    """The accelerator answers is_cuda / is_cpu as a GPU to our code: ops.kth_smallest takes kthvalue, not its CPU
+    path (torch.lt made to fail), AEnt's clamped_entropy picks the GPU's block; a host tensor inside a GPU branch, which
+    never ran on a CPU before, raises."""
+    import grpo_aent
+    from utils import ops
+
+    def cpu_path(*a, **k):
+        raise AssertionError("kth_smallest took its CPU path")
+
+    def gpu_only(x):  # the bug: a host tensor in a branch that runs on GPUs only
+        return x * torch.ones(x.shape) if x.is_cuda else x
+
+    z = torch.randn(3, 4096)
+    monkeypatch.setattr(torch, "lt", cpu_path)
+    with pytest.raises(AssertionError, match="CPU path"):
+        ops.kth_smallest(z, 2048)
+    monkeypatch.setattr(grpo_aent.ClampedEntropy, "apply", lambda logits, k, rows: rows)  # the rows of a block
+    assert grpo_aent.clamped_entropy(torch.zeros(2048, 1024), 0.2) == 1024  # a CPU's 1M-element blocks
+    with Rehearsal():
+        on_gpu = z.to(ACCELERATOR)
+        assert on_gpu.is_cuda and not on_gpu.is_cpu
+        assert torch.equal(ops.kth_smallest(on_gpu, 2048).cpu(), z.kthvalue(2048, dim=-1, keepdim=True).values)
+        assert grpo_aent.clamped_entropy(torch.zeros(2048, 1024, device=ACCELERATOR), 0.2) == 2048  # one 16M block
+        with pytest.raises(DeviceMixError, match="mul"):
+            gpu_only(on_gpu)
+        assert torch.equal(gpu_only(z), z)  # on the host the branch is not taken: the CPU never saw the bug
+
+
+def test_a_copy_in_every_micro_batch_breaks_the_bound(testbed, tmp_path):
+    """The token weights copied onto the device in every micro-batch, as before they were made once per mini-batch:
+    8 micro-batches per update, a copy in each, above the bound of an update."""
+    loop, pad = "for i, weights in zip(mini, mini_weights.split(sizes)):\n", " " * 20
+    fixed = f"{loop}{pad}batch = batches[i]\n"
+    weights = 'token_weights(batch["lengths"], counted[batch["index"]], *aggregation).to(device)'
+    before = f"for i in mini:\n{pad}batch = batches[i]\n{pad}weights = {weights}\n"
+    text = open(os.path.join(ROOT, "grpo_vanilla.py")).read()
+    assert text.count(fixed) == 1, "grpo_vanilla.py no longer has the mini-batch's weights: update this test"
+    script = tmp_path / "grpo_vanilla_per_micro_batch.py"
+    script.write_text(text.replace(fixed, before))
+    proc = rehearse(testbed, tmp_path, str(script), {"micro-batch-size": 1})
+    [(copies, micro_batches)] = copies_per_update(proc)
+    assert micro_batches == 8 and copies > COPIES_PER_UPDATE + PER_MICRO_BATCH.get("grpo_vanilla.py", 0) * 8, copies

@@ -65,6 +65,14 @@ def collate(prompts: list, responses: list, pad_id: int, device, advantages=None
     return batch
 
 
+def mini_batch_samples(batches: list, mb: range, counted: torch.Tensor) -> tuple:
+    """The response lengths of collated micro-batches `batches[i] for i in mb` in order (CPU), whether each sequence
+    counts in the loss (`counted`: the step's, by sample) and each micro-batch's token count: a mini-batch's token
+    weights made at once and moved to the device in one copy (a copy per micro-batch waits for the GPU each time)."""
+    lengths = [batches[i]["lengths"] for i in mb]
+    return torch.cat(lengths), counted[[k for i in mb for k in batches[i]["index"]]], [int(n.sum()) for n in lengths]
+
+
 def in_sample_order(batches: list, mb: range) -> torch.Tensor:
     """The permutation that puts the concatenated tokens of collated micro-batches `batches[i] for i in mb` in sample
     order (the order of fixed micro-batches), so that a selection over them does not depend on how samples are

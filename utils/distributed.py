@@ -114,14 +114,20 @@ def all_reduce_sums(values: dict, device) -> dict:
     """Sum every value (a number, or a one-element tensor on the device) over all ranks, keys in a fixed order on
     every rank: one collective and one read of the results, so statistics can stay on the device until then."""
     keys = sorted(values)
-    tensor = torch.stack([torch.as_tensor(values[k], dtype=torch.float64, device=device).reshape(()) for k in keys])
+
+    def on_device(value):  # a number filled in on the device: not a copy from the host (each waits for a GPU)
+        if isinstance(value, torch.Tensor):
+            return value.to(device, torch.float64).reshape(())
+        return torch.full((), value, dtype=torch.float64, device=device)
+
+    tensor = torch.stack([on_device(values[k]) for k in keys])
     dist.all_reduce(tensor)
     return dict(zip(keys, tensor.tolist()))
 
 
 def gather_ranks(x: torch.Tensor):
     """Concatenate x (any first-dim length) over all ranks in rank order; also return where this rank's rows start."""
-    size = torch.tensor([x.shape[0]], device=x.device)
+    size = torch.full((1,), x.shape[0], device=x.device)  # filled in on the device: not a copy from the host
     sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, size)
     sizes = [int(n) for n in sizes]

@@ -8,7 +8,7 @@ import torch
 def quantile(x: torch.Tensor, q: float) -> torch.Tensor:
     """torch.quantile(x, q) of a 1-D tensor (linear interpolation, the same float operations) without its limit of
     2^24 elements, which a mini-batch of a large run exceeds."""
-    pos = torch.tensor(q, dtype=x.dtype, device=x.device) * (x.numel() - 1)
+    pos = x.new_full((), q) * (x.numel() - 1)  # filled on x's device: not a copy from the host (a GPU sync)
     values = x.sort().values
     return values[pos.long()].lerp(values[pos.ceil().long()], pos - pos.long())
 
