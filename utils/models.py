@@ -109,7 +109,7 @@ class Fp32Head(torch.autograd.Function):
     def forward(ctx, hidden, weight):
         ctx.save_for_backward(hidden, weight)
         flat = hidden.reshape(-1, hidden.shape[-1])
-        if flat.is_cuda:
+        if flat.device.type == "cuda":  # the device, not is_cuda: tests/device_rehearsal.py answers is_cuda as a GPU
             logits = torch.mm(flat, weight.t(), out_dtype=torch.float32)
         else:
             logits = torch.mm(flat.float(), weight.float().t())
