@@ -40,7 +40,8 @@ def micro_batches(sizes: list, args, device):
 
 def collate(prompts: list, responses: list, pad_id: int, device, advantages=None, packed=False, index=None) -> dict:
     """Prompt+response sequences, right-padded rows with their attention mask, or `packed`: one row without padding,
-    positions restarting per sequence; the response mask, the response lengths (CPU), given one advantage per
+    positions restarting per sequence; the response mask and where its tokens' log-probs are read (target_at), the
+    response lengths (CPU), given one advantage per
     sequence each response token's, and `index` (the samples' positions in the step). No sequences: a one-token row
     without response (an empty micro-batch)."""
     rows = [p + r for p, r in zip(prompts, responses)] or [[pad_id]]
@@ -54,6 +55,10 @@ def collate(prompts: list, responses: list, pad_id: int, device, advantages=None
         return torch.tensor([v + [fill] * (width - len(v)) for v in values])
 
     batch = {"input_ids": padded(rows, pad_id), "response_mask": padded(masks, False)}
+    # each response token's log-prob is read at the position before it: their flat indices (row x width + column),
+    # made here on the CPU, so that the kernel gathers with them and not with a mask (a GPU's nonzero waits for it)
+    rows_at, columns_at = batch["response_mask"][:, 1:].nonzero(as_tuple=True)
+    batch["target_at"] = rows_at * width + columns_at
     if packed:  # no attention mask: transformers tells the sequences apart by their restarting positions
         batch["position_ids"] = padded(positions, 0)
     else:

@@ -92,8 +92,8 @@ def response_logprobs(model, batch, temperature, chunk_size, with_entropy, num_c
     # kept every layer's [batch, time, hidden] to the end of a no-grad pass (65 x 10k x 5120 bf16 = 6.8 GB at 32B).
     last = [module.config.num_hidden_layers - 1]
     output = model(**inputs, output_hidden_states=last, logits_to_keep=1, use_cache=False)
-    target_mask = batch["response_mask"][:, 1:]
-    hidden = output.hidden_states[-1][:, :-1][target_mask]
-    targets = batch["input_ids"][:, 1:][target_mask]
+    at = batch["target_at"]  # the flat position before each response token (utils/batching.py collate)
+    hidden = output.hidden_states[-1].flatten(0, 1).index_select(0, at)
+    targets = batch["input_ids"].flatten().index_select(0, at + 1)
     head = module.get_output_embeddings()
     return chunked_logprobs_entropy(hidden, head, targets, temperature, chunk_size, with_entropy, num_chunks, extra)
