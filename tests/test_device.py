@@ -115,6 +115,7 @@ def test_every_method_file_is_rehearsed():
     assert scripts == {script for script, _ in RUNS.values()}, "a method file without a device rehearsal run"
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("name", list(RUNS))
 def test_the_step_keeps_every_tensor_on_its_device(testbed, tmp_path, name):
     script, overrides = RUNS[name]
@@ -124,6 +125,7 @@ def test_the_step_keeps_every_tensor_on_its_device(testbed, tmp_path, name):
     assert counts and max(counts) > 1000, f"the run met no accelerator tensor: {counts}"
 
 
+@pytest.mark.launches
 def test_the_gpu_benchmark_keeps_every_tensor_on_its_device(tmp_path):
     """benchmarks/experiments/bench_gpu.py (gpu_smoke's `bench`, on the first GPU lease) starts through init_distributed
     too."""
@@ -145,6 +147,7 @@ REVERTED = {  # each fix undone: (the fixed text, the text before the fix)
 }
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(
     "script, overrides, crash",
     [
