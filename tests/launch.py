@@ -118,6 +118,7 @@ class ForkedRun:
     what the tests use of subprocess.Popen: poll(), communicate(), returncode; `pids`: its processes (rank 0 first)."""
 
     def __init__(self, argv, env, nproc=0, cwd=ROOT):
+        sys.audit("tests.launch", argv)  # a run, though the fork server may be up already (conftest.py's guard)
         server = self.server = fork_server()
         self.argv, self.returncode = argv, None
         self.tmp = tempfile.mkdtemp(prefix="forked-")

@@ -215,6 +215,7 @@ def straight_run(testbed, tmp_path_factory):
     return run_dir(out)
 
 
+@pytest.mark.launches
 def test_one_coefficient_on_every_rank_stepped_from_the_world_mean(testbed, straight_run):
     rows = read_metrics(straight_run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -242,6 +243,7 @@ def test_one_coefficient_on_every_rank_stepped_from_the_world_mean(testbed, stra
         assert 0 < r["entropy/clamped"] <= r["entropy/full"] + 1e-6 and r["entropy/bonus"] > 0
 
 
+@pytest.mark.launches
 def test_clamp_zero_and_constant_coefficient_is_plain_entropy_regularisation(testbed, tmp_path):
     flags = {
         "no-use-vllm": True,
@@ -259,6 +261,7 @@ def test_clamp_zero_and_constant_coefficient_is_plain_entropy_regularisation(tes
         assert r["entropy/bonus"] == pytest.approx(0.05 * r["entropy/clamped_train"], rel=1e-6)
 
 
+@pytest.mark.launches
 def test_scheduled_coefficient_in_a_run_and_in_its_checkpoints(testbed, tmp_path):
     """--coef-rule linear from 0.05 to 0.01 over 3 steps: 0.05, 0.03, 0.01 applied; each checkpoint holds the next
     step's coefficient (a resumed run continues the schedule)."""

@@ -6,7 +6,10 @@ import re
 import subprocess
 import sys
 
+import pytest
 from launch import CPU_ENV, ROOT, free_port, run_python
+
+pytestmark = pytest.mark.launches  # every test here launches a run (conftest.py)
 
 
 def run_benchmark(args, timeout=120):

@@ -45,6 +45,7 @@ def run_compare(*flags):
     )
 
 
+@pytest.mark.launches
 def test_compare_writes_plots_and_table(tmp_path):
     runs = tmp_path / "runs"
     write_run(runs, "grpo_vanilla", 1, 0.1)
@@ -149,6 +150,7 @@ def test_the_cov_recipes_run_the_authors_experiment():
         assert names == {"grpo_vanilla", "grpo_vanilla_cliphigher", "grpo_klcov", "grpo_clipcov"}
 
 
+@pytest.mark.launches
 def test_compare_without_runs_is_one_line(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.compare", "--runs", str(tmp_path / "*")],
@@ -223,6 +225,7 @@ def test_intervals_over_seeds():
     assert d == pytest.approx(0.2) and half == pytest.approx(2.776 * math.sqrt(2 * 0.01 / 3))
 
 
+@pytest.mark.launches
 def test_compare_table_gives_intervals_and_differences(tmp_path):
     runs = tmp_path / "runs"
     for seed in (1, 2, 3):
@@ -240,6 +243,7 @@ def test_compare_table_gives_intervals_and_differences(tmp_path):
     assert final["minus_baseline"]["entropy/full"][0] == pytest.approx(0.4, abs=0.01)
 
 
+@pytest.mark.launches
 def test_compare_shows_each_held_out_set(tmp_path):
     """Runs evaluated on several sets (eval/<set>/acc, eval/acc their mean): the interval table has a column per set."""
     runs = tmp_path / "runs"

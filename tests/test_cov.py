@@ -147,6 +147,7 @@ def test_microbatch_scope_equals_the_published_clip_cov_loss(seed, ratio, lb, ub
 LAYOUT = {"total-steps": 2, "num-prompts-per-step": 8, "group-size": 4, "num-mini-batches": 2, "micro-batch-size": 4}
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(
     "script, method",
     [

@@ -10,6 +10,8 @@ import signal
 import pytest
 from launch import COMMON, assert_same_run, checkpoints, fault_flags, read_metrics, run_dir, run_script, trainer_state
 
+pytestmark = pytest.mark.launches  # every test here launches a run (conftest.py)
+
 # the tests sharing vanilla's uninterrupted run (conftest.py straight; test_dynamic_sampling's too): on one xdist
 # worker (make test: --dist loadgroup), the others anywhere
 SHARED = pytest.mark.xdist_group("test_crash")

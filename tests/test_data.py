@@ -128,6 +128,7 @@ def test_rows_without_problem_or_answer_are_skipped_and_counted(tmp_path):
     assert [(p["problem"], p["answer"], p["index"]) for p in problems] == [("a", "1", 0), ("d", "4", 3)]
 
 
+@pytest.mark.launches
 def test_import_is_cheap():
     """Importing utils.data must not import datasets or math-verify (scripts import it before parsing args)."""
     import subprocess

@@ -13,6 +13,7 @@ from testbed.common import CPU_ENV
 from utils import models
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("stage, modes", [(3, "load,bf16,bucket"), (2, "bf16,bucket")])
 def test_deepspeed_setup(testbed, stage, modes):
     """Each ZeRO stage's checks in one pair of ranks, one after the other (ds_probe.py: `load` runs first)."""

@@ -136,6 +136,7 @@ def test_every_method_file_is_rehearsed():
     assert scripts == {script for script, _ in RUNS.values()}, "a method file without a device rehearsal run"
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("name", list(RUNS))
 def test_the_step_keeps_every_tensor_on_its_device(testbed, tmp_path, name):
     script, overrides = RUNS[name]
@@ -149,6 +150,7 @@ def test_the_step_keeps_every_tensor_on_its_device(testbed, tmp_path, name):
         assert copies <= COPIES_PER_UPDATE + PER_MICRO_BATCH.get(script, 0) * micro_batches, proc.stderr[-2000:]
 
 
+@pytest.mark.launches
 def test_the_gpu_benchmark_keeps_every_tensor_on_its_device(tmp_path):
     """benchmarks/experiments/bench_gpu.py (gpu_smoke's `bench`, on the first GPU lease) starts through init_distributed
     too."""
@@ -170,6 +172,7 @@ REVERTED = {  # each fix undone: (the fixed text, the text before the fix)
 }
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(
     "script, overrides, crash",
     [

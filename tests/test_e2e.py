@@ -31,6 +31,7 @@ def assert_trained(rows, path, tb, steps):
     assert any(not torch.equal(before[k], after[k]) for k in before), "weights did not change"
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("nproc, zero, kl_coef", [(0, 2, 0.0), (2, 2, 0.0), (2, 3, 0.1)])
 def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, nproc, zero, kl_coef):
     flags = {
@@ -80,6 +81,7 @@ def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, np
     assert config["versions"]["torch"] == torch.__version__ and config["versions"]["vllm"] is not None
 
 
+@pytest.mark.launches
 def test_hf_generate_fallback(testbed, tmp_path):
     run_script(
         "grpo_vanilla.py", script_flags(testbed, **{"no-use-vllm": True, "loss-agg": "seq-mean-token-mean"}), tmp_path
@@ -94,6 +96,7 @@ def _one_line_error(proc, *words):
     assert last.startswith("error:") and all(w in last for w in words), proc.stderr[-2000:]
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(
     "override, words",
     [
@@ -136,6 +139,7 @@ def test_bad_flags_are_refused_at_start_in_one_line(testbed, override, words):
     assert message.startswith("error:") and "\n" not in message and all(w in message for w in words), message
 
 
+@pytest.mark.launches
 def test_empty_dataset_is_one_clear_line(testbed, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
@@ -145,6 +149,7 @@ def test_empty_dataset_is_one_clear_line(testbed, tmp_path):
     _one_line_error(proc, str(empty))
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(
     "script, extra", [("grpo_aent.py", {}), ("grpo_clipcov.py", {"cov-scope": "microbatch", "no-use-vllm": True})]
 )
@@ -172,12 +177,14 @@ def test_an_error_after_vllm_is_imported_is_still_one_line():
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == "error: after vLLM", proc.stderr[-2000:]
 
 
+@pytest.mark.launches
 def test_missing_model_is_one_clear_line(testbed, tmp_path):
     flags = {"model-name-or-path": "/nonexistent/model"}
     proc = run_script("grpo_aent.py", script_flags(testbed, **flags), tmp_path, nproc=0, timeout=120, check=False)
     _one_line_error(proc, "/nonexistent/model", "no such local directory", "not a valid hub id")
 
 
+@pytest.mark.launches
 def test_verl_parquet_and_trl_conversational_files_train_and_evaluate_without_field_flags(testbed, tmp_path):
     """The ecosystem's layouts as they ship: verl's parquet (chat-message prompt, reward_model.ground_truth,
     data_source) to train on, a TRL conversational jsonl (chat-message prompt, solution) to evaluate on."""

@@ -43,6 +43,7 @@ def test_entropy_is_detached():
 RUN = {"total-steps": 2, "num-prompts-per-step": 8, "group-size": 4, "num-mini-batches": 2, "micro-batch-size": 4}
 
 
+@pytest.mark.launches
 def test_alpha_zero_is_vanilla_and_alpha_shapes(testbed, tmp_path):
     """alpha 0 follows vanilla's trajectory exactly (every metric, the final weights): the file is vanilla plus the
     shaping. With the paper's alpha and the 80/20 selection on, the shaping is measured and bounded by |A| / kappa."""

@@ -160,6 +160,7 @@ def test_protocol_files(evaluated, testbed):
     check_protocol_files(out, rows, AutoTokenizer.from_pretrained(testbed.model_dir), vocab_size, "math500")
 
 
+@pytest.mark.launches
 def test_protocol_files_of_a_test_file_given_by_path(testbed, tmp_path):
     """A submission as the protocol asks it: greedy, one sample per problem, --protocol-dataset a path (HF generate)."""
     from transformers import AutoTokenizer
@@ -201,6 +202,7 @@ def test_resume_keeps_finished_problems_and_resamples_identically(evaluated, tmp
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
+@pytest.mark.launches
 def test_hf_generate_fallback_matches_the_testbeds_own_measurement(testbed, tmp_path):
     """Greedy HF generate over the testbed's whole test set: the accuracy and entropy its builder measured."""
     out = str(tmp_path)
@@ -233,6 +235,7 @@ def test_hf_generate_fallback_matches_the_testbeds_own_measurement(testbed, tmp_
     assert test["entropy"] == pytest.approx(testbed.stats["greedy_entropy"], rel=0.02), seen
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(
     "flags",
     [
@@ -249,6 +252,7 @@ def test_bad_input_is_one_line(testbed, tmp_path, flags):
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
+@pytest.mark.launches
 def test_context_longer_than_the_model_is_one_line_naming_the_flags(testbed, tmp_path):
     flags = ["--max-prompt-length", "600", "--max-response-length", "16"]
     proc = run_eval(["--model-name-or-path", testbed.model_dir, "--output-dir", str(tmp_path), *flags], check=False)

@@ -28,6 +28,8 @@ from launch import (
     script_flags,
 )
 
+pytestmark = pytest.mark.launches  # every test here launches a run (conftest.py)
+
 
 def test_nan_on_one_rank_skips_that_update_on_every_rank_and_keeps_the_learning_rate_schedule(testbed, tmp_path):
     """Rank 1 alone gets a NaN loss in step 2: neither rank applies that update, and the run goes on. DeepSpeed steps

@@ -129,6 +129,7 @@ def test_make_testbed_fork_runs_the_fork_testbed_with_the_first_ones_settings():
     assert changed == {"model_name_or_path", "dataset", "eval_dataset", "max_response_length", "eval_num_prompts"}
 
 
+@pytest.mark.launches
 def test_fork_branches_measures_every_runs_final_model(tmp_path):
     """benchmarks/experiments/fork_branches.py on two runs (the base model as their final/): a row per configuration
     with the opening letter, the procedure and the minority pass@k, the initial policy's row, and a difference row; the

@@ -69,6 +69,7 @@ def smoke(tmp_path, env, *flags):
     return lines, status
 
 
+@pytest.mark.launches
 def test_without_vllm_every_other_check_passes(tmp_path):
     groups = "kernels,vanilla-zero2,cegppo-sft,zero3-save,nan-step2,bench,long-context,rollout-ranks,train-sleep1"
     groups += ",train-sleep2,train-sleep0,train-v1runner-sleep1,train-zero3-sleep1,in-process"
@@ -127,6 +128,7 @@ def test_the_head_dtype_and_determinism_checks_run_their_comparisons(tmp_path):
     assert "equal bit for bit (2 steps)" in same and "differ in 0 of 2 steps" in same, same  # the CPU: no change
 
 
+@pytest.mark.launches
 def test_a_missing_package_is_one_error_line_and_the_budget_skips_what_it_cannot_start(tmp_path):
     cmd = [sys.executable, "-m", "benchmarks.gpu_smoke", "--cpu", "--out", str(tmp_path / "s.txt")]
     proc = subprocess.run(cmd, cwd=ROOT, env=hiding(tmp_path, "deepspeed"), capture_output=True, text=True, timeout=120)
@@ -238,6 +240,7 @@ def test_rollout_ranks_runs_only_with_two_gpus():
     assert gpu_smoke.rollout_unavailable(smoke_on("cpu", 0, True)) is None
 
 
+@pytest.mark.launches
 def test_calibration_runs():
     cmd = [sys.executable, "-m", "benchmarks.gpu_smoke", "--calibrate", "--cpu"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **CPU_ENV}, capture_output=True, text=True, timeout=300)

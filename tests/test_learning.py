@@ -12,7 +12,10 @@ does not learn (a broken advantage sign, a loss that never reaches the weights, 
 
 import statistics
 
+import pytest
 from launch import read_metrics, run_dir, run_script, script_flags
+
+pytestmark = pytest.mark.launches  # every test here launches a run (conftest.py)
 
 FLAGS = {
     "total-steps": 40,

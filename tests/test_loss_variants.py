@@ -154,6 +154,7 @@ def test_wreinforce_weights_are_lambda_and_minus_one(lam):
 
 
 # ---- end to end: the real scripts, DeepSpeed on gloo, 2 ranks ----
+@pytest.mark.launches
 def test_on_policy_sapo_and_gspo_are_vanilla_and_wreinforce_trains(testbed, tmp_path):
     """One update per step (r = 1 exactly): SAPO with both temperatures 1 and GSPO take vanilla's gradient (-A per
     token), so with vanilla's token-mean their runs are vanilla's metric for metric and weight for weight, apart from

@@ -76,6 +76,7 @@ def test_bad_flags_are_refused(change, message):
 RUN = {"total-steps": 2, "num-prompts-per-step": 4, "group-size": 4, "no-use-vllm": True, "no-scale-rewards": True}
 
 
+@pytest.mark.launches
 def test_k_1_unscaled_follows_dr_grpo_and_k_2_trains(testbed, tmp_path):
     """--passk-k 1 --no-scale-rewards is vanilla --no-scale-rewards metric for metric and weight for weight; k 2 makes
     another, finite update."""

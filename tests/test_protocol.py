@@ -73,6 +73,7 @@ def protocol(testbed, tmp_path_factory):
     return run_dir(tmp / "out"), str(test_file), proc
 
 
+@pytest.mark.launches
 @SHARED
 def test_the_best_dev_checkpoint_is_chosen(protocol):
     run, _, proc = protocol
@@ -92,6 +93,7 @@ def test_the_best_dev_checkpoint_is_chosen(protocol):
     print(f"{SELECT_METRIC} by step: {scores}; chosen: step {best}")
 
 
+@pytest.mark.launches
 @SHARED
 def test_the_export_is_the_checkpoints_master_weights(protocol, testbed, monkeypatch):
     """best/model.safetensors against the chosen checkpoint's fp32 master weights, read by DeepSpeed's zero_to_fp32
@@ -118,6 +120,7 @@ def test_the_export_is_the_checkpoints_master_weights(protocol, testbed, monkeyp
         assert any(not exported[k].equal(final[k]) for k in final)  # another step's weights, not the last
 
 
+@pytest.mark.launches
 @SHARED
 def test_the_protocol_files(protocol):
     from transformers import AutoTokenizer

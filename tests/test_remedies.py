@@ -287,6 +287,7 @@ def test_proxy_logprobs_are_the_min_p_policy(kappa, temperature):
 ON_POLICY = {"total-steps": 2, "num-prompts-per-step": 8, "group-size": 4, "num-mini-batches": 1}
 
 
+@pytest.mark.launches
 def test_on_policy_updates_equal_vanillas(testbed, tmp_path):
     """With one update per step the ratio is 1: CISPO's -sg(w) A log pi and CE-GPPO's branches give PPO's gradient,
     and Lp-Reg's selected tokens lose only the clip (-A r, r = 1) at --lpreg-beta 0; the same weights after 2 steps
@@ -310,6 +311,7 @@ def test_on_policy_updates_equal_vanillas(testbed, tmp_path):
     assert all(r["lpreg/selected_frac"] > 0 and r["lpreg/outside_minp_frac"] >= 0 for r in rows["grpo_lpreg.py"])
 
 
+@pytest.mark.launches
 def test_cispo_cap_clip_metrics_count_against_the_cap(testbed, tmp_path):
     """--cispo-max-weight W: the losses/clip_frac_* metrics count the ratios outside [0, W] (not against the unused
     --clip-eps-low/high, against which none would be); losses/clip_frac, the loss's own mask, counts them with those of

@@ -113,6 +113,7 @@ def test_pathological_main_thread(response, answer):
     assert grade("\\boxed{2}", "2")[0] == 1.0  # grading still works after an interrupted one
 
 
+@pytest.mark.launches
 def test_pathological_other_thread():
     """Outside the main thread grading goes through a subprocess under the same CPU-time budget: it still returns."""
     results = []
@@ -144,6 +145,7 @@ def test_restores_caller_alarm():
         signal.signal(signal.SIGPROF, previous)
 
 
+@pytest.mark.launches
 def test_first_grade_in_a_fresh_process_does_not_pay_the_import_against_its_budget():
     """math-verify's import (~1 s) happens before the timer is armed: a correct first answer is not a timeout."""
     code = "from utils.reward import grade; print(grade('so \\\\boxed{2}', '2', timeout=0.3))"
@@ -177,6 +179,7 @@ def worker_pids(parent=None):
     return pids
 
 
+@pytest.mark.launches
 def test_grade_all_matches_serial_and_reuses_its_workers():
     """2 workers give serial grade()'s verdicts in order; the timeout is the worker's own timer (it is not replaced);
     a second call reuses the same processes, which did not import torch."""
@@ -190,6 +193,7 @@ def test_grade_all_matches_serial_and_reuses_its_workers():
         assert "/torch/" not in Path(f"/proc/{pid}/maps").read_text()
 
 
+@pytest.mark.launches
 def test_grade_all_replaces_a_killed_worker():
     """A worker killed mid-answer gives "error" for that answer and is replaced (and reaped); one killed while idle is
     replaced before it is given an answer, which grades as usual."""
@@ -210,6 +214,7 @@ def test_grade_all_replaces_a_killed_worker():
     assert len(worker_pids()) == 2
 
 
+@pytest.mark.launches
 def test_grade_all_waits_for_a_worker_that_gets_no_cpu():
     """The budget is the worker's CPU time, not wall time: a worker kept off the CPU (stopped) for longer than the
     budget still answers, as a slow machine would make it, and keeps its verdict."""
@@ -232,6 +237,7 @@ def test_grade_all_one_worker_is_serial():
     assert worker_pids() == before  # no subprocess: grade() in this (main) thread
 
 
+@pytest.mark.launches
 def test_grade_all_workers_end_with_the_interpreter():
     """At exit the workers are killed and reaped, and the exit does not wait on them."""
     code = "import sys; from utils.reward import grade_all; print(grade_all(['\\\\boxed{1}'] * 2, ['1'] * 2, 2))"
@@ -258,6 +264,7 @@ def test_default_grading_workers(monkeypatch):
     assert default_grading_workers() == 1
 
 
+@pytest.mark.launches
 def test_grade_all_in_a_forked_child():
     """A child forked after the pool started (its threads are not copied) makes its own pool rather than hang, and
     the parent keeps grading after the child exits."""

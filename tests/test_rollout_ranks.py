@@ -21,6 +21,8 @@ from launch import (
     run_script,
 )
 
+pytestmark = pytest.mark.launches  # every test here launches a run (conftest.py)
+
 
 @pytest.mark.xdist_group("test_crash")  # the worker that holds `straight`'s vanilla run (conftest.py)
 def test_without_staleness_the_run_is_the_colocated_one(testbed, straight, tmp_path):

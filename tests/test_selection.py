@@ -89,6 +89,7 @@ def _selection_worker(rank, world_size, port, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.launches
 def test_selection_equals_trls_published_mask_on_two_ranks():
     """TRL 1.16's top_entropy_quantile on entropies with ties and unequal token counts per rank, rho 0, 0.2, 1: the
     same tokens on each rank (rho 0: the maximum only; rho 1: every token), and the same threshold on both ranks; the
@@ -115,6 +116,7 @@ METHODS = {
 }
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("script", list(METHODS))
 def test_microbatch_scope_selects_per_micro_batch_from_the_current_entropies(testbed, tmp_path, script):
     """TRL's scope, 2 ranks x 2 micro-batches per mini-batch: one threshold per micro-batch (of both ranks), from the
@@ -185,6 +187,7 @@ def target_run(testbed, tmp_path_factory):
     return run_dir(out), target
 
 
+@pytest.mark.launches
 @SHARED
 def test_target_rule_equals_trls_update_replayed_on_the_logged_entropies(target_run):
     path, target = target_run
@@ -203,6 +206,7 @@ def test_target_rule_equals_trls_update_replayed_on_the_logged_entropies(target_
         assert r["entropy/bonus"] == pytest.approx(r["entropy/coef_applied"] * r["entropy/clamped_train"], rel=0.1)
 
 
+@pytest.mark.launches
 @SHARED
 def test_killed_target_rule_run_resumes_the_same_coefficient_trajectory(testbed, target_run, tmp_path):
     path, target = target_run
@@ -220,6 +224,7 @@ def test_killed_target_rule_run_resumes_the_same_coefficient_trajectory(testbed,
     assert trainer_state(resumed)["method_state"] == pytest.approx(trainer_state(path)["method_state"], rel=1e-5)
 
 
+@pytest.mark.launches
 def test_update_cadence_steps_the_coefficient_after_every_update_as_trl(testbed, tmp_path):
     """--coef-cadence update (TRL 1.16): 2 updates per step, an entropy always below the target: the coefficient rises
     by delta after every update, and the second update of step 1 already gets the bonus (gated by the first)."""
@@ -246,6 +251,7 @@ def skywork_ent_controller(nlls, coef, delta, target, low, high):
     return coefs, applied, coef
 
 
+@pytest.mark.launches
 def test_nll_signal_is_skywork_or1s_controller_replayed(testbed, tmp_path):
     """The Skywork-OR1 command line (README.md), its target scaled to the testbed: the coefficient and the bonus's
     gate follow Skywork's controller replayed on the logged NLL."""
@@ -260,6 +266,7 @@ def test_nll_signal_is_skywork_or1s_controller_replayed(testbed, tmp_path):
     assert trainer_state(run_dir(tmp_path))["method_state"]["entropy_coef"] == pytest.approx(final, abs=1e-12)
 
 
+@pytest.mark.launches
 def test_current_entropies_select_as_trls_scope_where_a_mini_batch_is_one_micro_batch(testbed, tmp_path):
     """--entropy-mask-source current: the current policy's entropies, as TRL's scope, which sees the same set where a
     mini-batch is one micro-batch (16 sequences, 1 rank): the same run; the sampling policy's differ after an update."""

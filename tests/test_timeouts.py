@@ -11,6 +11,8 @@ from launch import CPU_ENV, ROOT, free_port, run_python
 
 from utils.distributed import TIMEOUT
 
+pytestmark = pytest.mark.launches  # every test here launches a run (conftest.py)
+
 
 @pytest.mark.parametrize(
     "nproc, rollout_ranks, expected",

@@ -29,6 +29,7 @@ def single(testbed, tmp_path_factory):
     return read_metrics(run_dir(out))
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("nproc, zero", [(2, 2), (4, 3)])
 def test_tensor_parallel_groups_generate_each_ranks_own_prompts(testbed, tmp_path, single, nproc, zero):
     """TP 2 over 2 ranks (one engine) and over 4 ranks (two engines, ZeRO-3): the same rollouts, entropies and evals as

@@ -28,6 +28,7 @@ def study(journal):
     return optuna.load_study(study_name="grpo_passk", storage=JournalStorage(JournalFileBackend(str(journal))))
 
 
+@pytest.mark.launches
 def test_a_two_trial_study_resumes_after_a_kill(tmp_path):
     journal, runs = tmp_path / "study.log", tmp_path / "runs"
     argv = [sys.executable, "-m", "benchmarks.tune", "--method", "grpo_passk", "--trials", "2", "--steps", "1"]

@@ -46,6 +46,7 @@ def make_study(journals, runs, method, flag, trials):
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+@pytest.mark.launches
 def test_fronts_picks_and_the_confirmation_command(tmp_path):
     journals, runs, out = tmp_path / "journals", tmp_path / "runs", tmp_path / "out"
     journals.mkdir()

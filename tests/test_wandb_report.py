@@ -187,6 +187,7 @@ def test_settings_block_states_commits_seeds_and_settings():
     assert "git commits `abc1234`, `def5678-dirty`." in text and "compare with care" in text  # a tag stands in
 
 
+@pytest.mark.launches
 def test_dry_run_prints_the_structure_offline():
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     proc = subprocess.run(
@@ -266,6 +267,7 @@ def test_wandb_history_becomes_metrics_jsonl_rows():
     assert wandb_run_record("p", {}, None, "grpo_clipcov__3__1", [])["method"] == "grpo_clipcov"
 
 
+@pytest.mark.launches
 def test_compare_reads_no_wandb_run_twice_and_fails_in_one_line(tmp_path):
     """A tracked run is also a local directory named by its wandb id: that one is read from disk, not fetched."""
     run = tmp_path / "runs" / "grpo_vanilla__1__1700000000"

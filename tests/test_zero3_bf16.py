@@ -19,6 +19,8 @@ from launch import ROOT, free_port, run_python
 
 from testbed.common import CPU_ENV
 
+pytestmark = pytest.mark.launches  # every test here launches a run (conftest.py)
+
 SHARED = pytest.mark.xdist_group("test_zero3_bf16")  # the module's one run: its tests on one xdist worker
 CHECKS = ["grads2", "grads3", "buffers", "logprobs"]  # grads2 first: no ZeRO-2 load after a ZeRO-3 one
 
