@@ -25,6 +25,7 @@ print(json.dumps({
 
 
 @pytest.mark.launches
+@pytest.mark.launches
 @pytest.mark.parametrize("switch, hardware", [("on", "gpu"), ("on", "cpu"), ("off", "gpu")])
 def test_the_switch_sets_what_bitwise_repeatable_gpu_runs_need(switch, hardware):
     """On: torch's deterministic algorithms (warnings, not errors, for an op without one), cuBLAS's fixed workspace,

@@ -320,6 +320,7 @@ def test_gpu_branches_run_and_a_mix_inside_one_raises(monkeypatch):
         assert torch.equal(gpu_only(z), z)  # on the host the branch is not taken: the CPU never saw the bug
 
 
+@pytest.mark.launches
 def test_a_copy_in_every_micro_batch_breaks_the_bound(testbed, tmp_path):
     """The token weights copied onto the device in every micro-batch, as before they were made once per mini-batch:
     8 micro-batches per update, a copy in each, above the bound of an update."""
