@@ -1,1 +1,1 @@
-"""The tools a user runs (python -m benchmarks.<name>): evaluation, comparison, reports, plots, the GPU smoke test."""
+"""The tools a user runs (python -m benchmarks.<name>): evaluation, comparison, tuning, reports, plots."""

@@ -4,8 +4,8 @@ its journal and its trials' runs, the one point per method the plan's scalarisat
     python -m benchmarks.tune_report --journals benchmarks/results/tune --runs runs/tune --out benchmarks/results/tune
 
 Writes <out>/trials.jsonl (every complete trial: its flags and its last evaluation, so that the report can be read
-without the runs), <out>/README.md (the fronts, the picked points, what each keeps), <out>/fronts.png and
-<out>/confirm.sh (the confirmation's runs).
+without the runs), <out>/README.md (the fronts, the picked points, what each keeps), <out>/fronts.png and --script
+(benchmarks/reproduce/tune_confirm.sh: the confirmation's runs).
 """
 
 import argparse
@@ -117,8 +117,9 @@ def vanilla_floor(rows: list) -> float:
     return max(vanilla) - MARGIN
 
 
-def report(rows: list, floor: float) -> tuple:
-    """The markdown report (per method its trials, front and picked point, what it keeps) and confirm.sh's text."""
+def report(rows: list, floor: float, link: str) -> tuple:
+    """The markdown report (per method its trials, front and picked point, what it keeps; link: tune_confirm.sh from
+    the report's folder) and tune_confirm.sh's text."""
     base = rows[0]["base"]
     lines = [
         "# The equal-budget study: results (plan: PLAN.md)",
@@ -149,14 +150,14 @@ def report(rows: list, floor: float) -> tuple:
         confirm[name] = script + flag_text(best["flags"], exact=True)
     lines += ["", *kept_table(rows, floor), "",
               "The confirmation (PLAN.md: 200 steps, seeds 11-13, each picked point beside vanilla's; one seed a "
-              "sitting, ~47 minutes each on 2 cores, 12 runs of ~470 s): [confirm.sh](confirm.sh); its comparison of "
+              f"sitting, ~47 minutes each on 2 cores, 12 runs of ~470 s): [tune_confirm.sh]({link}); its comparison of "
               "all seeds: [confirmation/compare.md](confirmation/compare.md).", ""]  # fmt: skip
     return "\n".join(lines), confirmation(confirm)
 
 
 def confirmation(flags: dict) -> str:
-    """confirm.sh: testbed.sh on the fork testbed for the given seeds (each in its own folder, so that a sitting runs
-    one seed and a killed one reruns only its seed), then compare.py over every seed run so far."""
+    """tune_confirm.sh: testbed.sh on the fork testbed for the given seeds (each in its own folder, so that a sitting
+    runs one seed and a killed one reruns only its seed), then compare.py over every seed run so far."""
     names = " ".join(flags)
     seed_runs = (
         "  TESTBED=fork SEEDS=$seed OUT=runs/testbed_tuned/seed$seed \\\n"
@@ -167,8 +168,8 @@ def confirmation(flags: dict) -> str:
         "#!/bin/bash",
         "# The equal-budget study's confirmation (PLAN.md): each method's picked point beside vanilla's, 200 steps on",
         "# the fork testbed, seeds 11-13. Written by benchmarks/tune_report.py from the journals. Run from the root:",
-        "#   bash benchmarks/results/tune/confirm.sh 11   # a seed's runs (its folder emptied first), the comparison",
-        "#   bash benchmarks/results/tune/confirm.sh      # the comparison of every seed run so far (confirmation/)",
+        "#   bash benchmarks/reproduce/tune_confirm.sh 11   # a seed's runs (its folder emptied first), the comparison",
+        "#   bash benchmarks/reproduce/tune_confirm.sh      # the comparison of every seed run so far (confirmation/)",
         "set -euo pipefail",
         '[ -f benchmarks/reproduce/testbed.sh ] || { echo "error: run from the repository\'s root" >&2; exit 1; }',
         *(f'export METHOD_FLAGS_{name}="{text}"' for name, text in flags.items()),
@@ -208,6 +209,9 @@ def main(argv=None) -> int:
     p.add_argument("--journals", default="benchmarks/results/tune", help="the folder of the study's <method>.log files")
     p.add_argument("--runs", default="runs/tune", help="the tuner's --output-dir (the trials' runs)")
     p.add_argument("--out", default="benchmarks/results/tune")
+    p.add_argument(
+        "--script", default="benchmarks/reproduce/tune_confirm.sh", help="where the confirmation's script goes"
+    )
     a = p.parse_args(argv)
     journals = sorted(glob.glob(os.path.join(a.journals, "grpo_*.log")))
     if not journals:
@@ -218,10 +222,11 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "trials.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    text, confirm = report(rows, floor)
+    text, confirm = report(rows, floor, os.path.relpath(a.script, a.out))
     with open(os.path.join(a.out, "README.md"), "w") as f:
         f.write(text)
-    with open(os.path.join(a.out, "confirm.sh"), "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(a.script)), exist_ok=True)
+    with open(a.script, "w") as f:
         f.write(confirm)
     plot(rows, floor, os.path.join(a.out, "fronts.png"))
     print(text)

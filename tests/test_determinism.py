@@ -1,6 +1,6 @@
 """--full-determinism (utils/distributed.py full_determinism): what it sets, and that on the CPU it changes no number
 of a run (CPU runs repeat bit for bit without it). Whether GPU runs then repeat bit for bit, and what it costs there,
-is benchmarks/gpu_smoke.py's check `determinism`."""
+is benchmarks/checks/gpu_smoke.py's check `determinism`."""
 
 import json
 import os

@@ -1,10 +1,10 @@
-"""benchmarks/gpu_smoke.py --cpu, as on a GPU machine without vLLM and with it. Without: vLLM made unimportable in every
-process (a sitecustomize on PYTHONPATH), the checks that need no vLLM pass (grpo_vanilla.py and grpo_cegppo.py with its
-SFT term on the testbed with HF generate, the kernels against float64, benchmarks/eval.py, bench_gpu.py --tiny, the
-long-context child's ZeRO-2/ZeRO-3 buffers and log-probs; not the other scripts' runs) and the vLLM ones say it is not
-installed. With it: the vLLM checks that run on a CPU pass (the long-context child's gaps and push cycles, rollout-ranks
-on 2 CPU processes), the GPU-only ones say so. The verdicts that only a GPU reaches (a bf16 inv_freq, the sleep-level
-advice, the memory a sleep frees, rollout-ranks' GPU count) on made-up inputs."""
+"""benchmarks/checks/gpu_smoke.py --cpu, as on a GPU machine without vLLM and with it. Without: vLLM made unimportable
+in every process (a sitecustomize on PYTHONPATH), the checks that need no vLLM pass (grpo_vanilla.py and grpo_cegppo.py
+with its SFT term on the testbed with HF generate, the kernels against float64, benchmarks/eval.py, bench_gpu.py
+--tiny, the long-context child's ZeRO-2/ZeRO-3 buffers and log-probs; not the other scripts' runs) and the vLLM ones
+say it is not installed. With it: the vLLM checks that run on a CPU pass (the long-context child's gaps and push
+cycles, rollout-ranks on 2 CPU processes), the GPU-only ones say so. The verdicts that only a GPU reaches (a bf16
+inv_freq, the sleep-level advice, the memory a sleep frees, rollout-ranks' GPU count) on made-up inputs."""
 
 import math
 import os
@@ -17,7 +17,7 @@ import pytest
 import torch
 from launch import CPU_ENV, ROOT
 
-from benchmarks import gpu_smoke
+from benchmarks.checks import gpu_smoke
 
 # the method runs (aent, klcov, clipcov) are vanilla-zero2's check on another script: the GPU machine runs them, the
 # suite, which runs the scripts themselves elsewhere, does not (3 runs, ~45 CPU-s); cegppo-sft is run: its verdict is
@@ -57,7 +57,8 @@ def hiding(tmp_path, module: str) -> dict:
 def smoke(tmp_path, env, *flags):
     """Run gpu_smoke.py --cpu: (stdout lines, {check: status}), after checking one line per check and the --out file."""
     out = tmp_path / "smoke.txt"
-    cmd = [sys.executable, "-m", "benchmarks.gpu_smoke", "--cpu", "--out", str(out), "--work-dir", str(tmp_path / "w")]
+    cmd = [sys.executable, "-m", "benchmarks.checks.gpu_smoke", "--cpu", "--out", str(out)]
+    cmd += ["--work-dir", str(tmp_path / "w")]
     proc = subprocess.run([*cmd, *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     lines = proc.stdout.splitlines()
     checks = [line for line in lines if line.startswith(("PASS ", "FAIL ", "SKIP "))]
@@ -130,10 +131,10 @@ def test_the_head_dtype_and_determinism_checks_run_their_comparisons(tmp_path):
 
 @pytest.mark.launches
 def test_a_missing_package_is_one_error_line_and_the_budget_skips_what_it_cannot_start(tmp_path):
-    cmd = [sys.executable, "-m", "benchmarks.gpu_smoke", "--cpu", "--out", str(tmp_path / "s.txt")]
+    cmd = [sys.executable, "-m", "benchmarks.checks.gpu_smoke", "--cpu", "--out", str(tmp_path / "s.txt")]
     proc = subprocess.run(cmd, cwd=ROOT, env=hiding(tmp_path, "deepspeed"), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout.splitlines() == [
-        "error: not installed: deepspeed (deepspeed, tyro, datasets, math_verify: benchmarks/gpu_wheelhouse.sh) "
+        "error: not installed: deepspeed (deepspeed, tyro, datasets, math_verify: benchmarks/checks/gpu_wheelhouse.sh) "
         "(README: First GPU run)"
     ]
     cmd += ["--work-dir", str(tmp_path / "w"), "--budget", "0.001", "--checks", "vanilla-zero2,in-process"]
@@ -242,7 +243,7 @@ def test_rollout_ranks_runs_only_with_two_gpus():
 
 @pytest.mark.launches
 def test_calibration_runs():
-    cmd = [sys.executable, "-m", "benchmarks.gpu_smoke", "--calibrate", "--cpu"]
+    cmd = [sys.executable, "-m", "benchmarks.checks.gpu_smoke", "--calibrate", "--cpu"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **CPU_ENV}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("calibration (LONG's CPU dims on cpu, 264 tokens")]

@@ -1,6 +1,7 @@
 """benchmarks/tune_report.py on two hand-made studies (journals as the tuner writes them, each trial's metrics.jsonl):
 the Pareto front, the plan's scalarisation (the floor is vanilla's best majority mean@16 minus 0.05; then the highest
-overall pass@16, ties to the higher majority), and the confirmation's command as testbed.sh runs it."""
+overall pass@16, ties to the higher majority), and the confirmation's command as testbed.sh runs it (the script in
+reproduce/, the report linking to it)."""
 
 import json
 import os
@@ -49,6 +50,7 @@ def make_study(journals, runs, method, flag, trials):
 @pytest.mark.launches
 def test_fronts_picks_and_the_confirmation_command(tmp_path):
     journals, runs, out = tmp_path / "journals", tmp_path / "runs", tmp_path / "out"
+    script = str(tmp_path / "reproduce" / "tune_confirm.sh")
     journals.mkdir()
     # vanilla's best majority 0.95: the floor 0.90
     make_study(journals, runs, "grpo_vanilla", "kl-coef", [(0.0, 0.95, 1.0, 0.0), (0.1, 0.90, 1.0, 0.10)])
@@ -60,7 +62,7 @@ def test_fronts_picks_and_the_confirmation_command(tmp_path):
     )  # fmt: skip
     # every trial under the floor; trial 1 diverged
     make_study(journals, runs, "grpo_sapo", "sapo-tau-pos", [(1.0, 0.50, 1.0, 0.6), (2.0, 0.20, 0.5, 0.0)])
-    tune_report.main(["--journals", str(journals), "--runs", str(runs), "--out", str(out)])
+    tune_report.main(["--journals", str(journals), "--runs", str(runs), "--out", str(out), "--script", script])
 
     rows = [json.loads(line) for line in open(out / "trials.jsonl")]
     assert [r["method"] for r in rows][:2] == ["grpo_vanilla", "grpo_vanilla"]  # the reference first
@@ -79,8 +81,7 @@ def test_fronts_picks_and_the_confirmation_command(tmp_path):
     assert "| grpo_sapo | 0 of 2 | - | 0: 0.500 / 0.60 | 1 |" in text
     assert (out / "fronts.png").stat().st_size > 10_000
     # the confirmation as written, run by testbed.sh (dry run): vanilla under its own name, each method's picked flags
-    assert "[confirm.sh](confirm.sh)" in text
-    script = str(out / "confirm.sh")
+    assert "[tune_confirm.sh](../reproduce/tune_confirm.sh)" in text and not (out / "confirm.sh").exists()
     dry = subprocess.run(["bash", script, "11", "12", "13"], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "DRY_RUN": "1"})  # fmt: skip
     assert dry.returncode == 0, dry.stderr
@@ -124,6 +125,7 @@ def test_the_flags_are_the_tuners_own(tmp_path):
         f"python grpo_aent.py {ran} --entropy-coef-warmup 5 --learning-rate 0.0001 --num-mini-batches 2\n"
     )
     argv = ["--journals", str(journals), "--runs", str(runs), "--out", str(tmp_path / "out")]
+    argv += ["--script", str(tmp_path / "tune_confirm.sh")]
     tune_report.main(argv)
     (aent,) = [json.loads(line) for line in open(tmp_path / "out" / "trials.jsonl") if "grpo_aent" in line]
     assert aent["flags"]["entropy-low"] == 0.02 and aent["flags"]["entropy-high"] == 0.06

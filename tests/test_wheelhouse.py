@@ -1,5 +1,5 @@
-"""benchmarks/gpu_wheelhouse.sh, without network: what it downloads (TOP, WHEELS) and what it assumes the offline GPU
-machine has (IMAGE) hold every distribution that the scripts, utils/ and the smoke test import on the --no-use-vllm
+"""benchmarks/checks/gpu_wheelhouse.sh, without network: what it downloads (TOP, WHEELS) and what it assumes the offline
+GPU machine has (IMAGE) hold every distribution that the scripts, utils/ and the smoke test import on the --no-use-vllm
 path, and every requirement of what it downloads (read from the installed CPU stack's metadata, markers evaluated for
 CPython 3.12 on Linux x86_64); its pins are the CPU stack's, which CI tests."""
 
@@ -15,10 +15,10 @@ from launch import ROOT
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
-SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_wheelhouse.sh")
+SCRIPT = os.path.join(ROOT, "benchmarks", "checks", "gpu_wheelhouse.sh")
 # what the smoke test runs without vLLM: the scripts, utils/, itself and the files it launches
 PATH_FILES = ["grpo_*.py", "utils/*.py", "tests/inject.py"]
-PATH_FILES += ["benchmarks/gpu_smoke.py", "benchmarks/eval.py"]
+PATH_FILES += ["benchmarks/checks/gpu_smoke.py", "benchmarks/eval.py"]
 PATH_FILES += [f"benchmarks/experiments/{name}.py" for name in ("bench_gpu", "bench_logprob_memory")]
 OFF_PATH = {"vllm": "the vLLM checks and --use-vllm", "wandb": "--track"}  # imported only where these are asked for
 TARGET = {**default_environment(), "python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux"}

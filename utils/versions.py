@@ -1,5 +1,5 @@
 """The oldest torch, transformers and DeepSpeed the code was checked against (README: First GPU run). Standard library
-only, so that benchmarks/gpu_smoke.py can check before it imports them."""
+only, so that benchmarks/checks/gpu_smoke.py can check before it imports them."""
 
 import importlib.metadata
 import re

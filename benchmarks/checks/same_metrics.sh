@@ -2,19 +2,22 @@
 # Seeded short testbed runs of two checkouts of this repository, side by side: do they log the same metrics?
 # The check behind a change that must not change behaviour (e.g. the December 2026 redesign of the four scripts).
 #   git worktree add /tmp/before <commit>
-#   bash benchmarks/same_metrics.sh /tmp/before . runs/same_metrics
-# What it showed at each restructuring: results/redesign.md (the four scripts), results/same_metrics_utils_split.md
-# (utils/ by concern), results/same_metrics_house.md (one sampler, utils/ and benchmarks/ by what they hold),
-# results/same_metrics_corrections.md (the rollout-correction modes, KL estimators, --mask-truncated).
+#   bash benchmarks/checks/same_metrics.sh /tmp/before . runs/same_metrics
+# What it showed at each restructuring: benchmarks/results/redesign.md (the four scripts),
+# results/same_metrics_utils_split.md (utils/ by concern), results/same_metrics_house.md (one sampler, utils/ and
+# benchmarks/ by what they hold), results/same_metrics_corrections.md (the rollout-correction modes, KL estimators,
+# --mask-truncated).
 # ALLOW_NEW=1: metrics only the after side logs (a change that adds metrics) are listed, not a failure.
 # ONLY="aent_mb2 aent_z3_2p": run only these configurations.
 # 22 configurations: each method, the single-update path (no log-prob pass), a reference-KL run, the reference's
 # micro-batch Cov scope, ZeRO-3 on 2 ranks, token selection (global, micro-batch scope, current source, AEnt's synced bonus), a rollout rank (s = 0; AEnt: s = 1 under ZeRO-3), Lp-Reg's
 # global selection on 1 and 2 ranks; 6 steps each, evaluation (greedy + 4 samples) at steps 0, 3, 6.
 set -uo pipefail
-if [ $# -lt 2 ]; then echo "usage: bash benchmarks/same_metrics.sh BEFORE_CHECKOUT AFTER_CHECKOUT [OUT]" >&2; exit 2; fi
+if [ $# -lt 2 ]; then
+  echo "usage: bash benchmarks/checks/same_metrics.sh BEFORE_CHECKOUT AFTER_CHECKOUT [OUT]" >&2; exit 2
+fi
 BEFORE=$(realpath "$1"); AFTER=$(realpath "$2"); OUT=$(realpath -m "${3:-runs/same_metrics}")
-ROOT=$(cd "$(dirname "$0")/.." && pwd); PY=${PY:-$ROOT/.venv/bin/python}
+ROOT=$(cd "$(dirname "$0")/../.." && pwd); PY=${PY:-$ROOT/.venv/bin/python}
 set -a; . "$ROOT/cpu.env"; set +a  # the CPU environment (cpu.env)
 TB=$ROOT/testbed
 BASE="--model-name-or-path $TB/model --dataset $TB/train.jsonl --eval-dataset $TB/test.jsonl --total-steps 6
@@ -61,7 +64,7 @@ for config in "${CONFIGS[@]}"; do
       || { echo "$name ($side): failed, see $OUT/$side/$name.log"; failed=1; continue 2; }
   done
   printf '%-15s ' "$name"
-  (cd "$ROOT" && $PY -m benchmarks.compare_metrics "$OUT"/before/"$name"/*/metrics.jsonl \
+  (cd "$ROOT" && $PY -m benchmarks.checks.compare_metrics "$OUT"/before/"$name"/*/metrics.jsonl \
     "$OUT"/after/"$name"/*/metrics.jsonl ${ALLOW_NEW:+--allow-new}) || failed=1
 done
 exit $failed

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The wheels an offline GPU machine that already has PyTorch and transformers (and no vLLM) needs to run the scripts
-# with --no-use-vllm and benchmarks/gpu_smoke.py; README, "First GPU run". On a machine with network and pip:
-#     bash benchmarks/gpu_wheelhouse.sh DIR      # Linux x86_64, CPython 3.12 (PYTHON_VERSION=3.11 for another)
+# with --no-use-vllm and benchmarks/checks/gpu_smoke.py; README, "First GPU run". On a machine with network and pip:
+#     bash benchmarks/checks/gpu_wheelhouse.sh DIR      # Linux x86_64, CPython 3.12 (PYTHON_VERSION=3.11 for another)
 # then, on the GPU machine, from the repository root:
 #     pip install --no-index --find-links DIR deepspeed==0.19.8 tyro==1.0.17 datasets==5.2.0 math-verify==0.9.0
 # tests/test_wheelhouse.py checks, without network, that IMAGE + TOP + WHEELS hold every distribution the scripts,
@@ -26,7 +26,7 @@ WHEELS=(docstring-parser==0.18.0 typeguard==4.6.1 dill==0.4.1 multiprocess==0.70
 # typing-extensions >= 4.16): pip takes these only where the image's version is outside the bounds
 BOUNDS=(fsspec==2026.9.0 huggingface-hub==1.33.0 typing-extensions==4.16.0)
 
-dir=${1:?usage: bash benchmarks/gpu_wheelhouse.sh DIR (PYTHON_VERSION=3.12 by default)}
+dir=${1:?usage: bash benchmarks/checks/gpu_wheelhouse.sh DIR (PYTHON_VERSION=3.12 by default)}
 py=${PYTHON_VERSION:-3.12}
 pip=(python3 -m pip)
 mkdir -p "$dir"

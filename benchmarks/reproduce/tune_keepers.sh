@@ -3,10 +3,10 @@
 # settings that kept the rare procedure in the study, at 200 steps with the confirmation's seeds, against its
 # vanilla runs. The rule, fixed before these runs: for each method with a trial keeping minority pass@16 >= 0.3 at
 # step 60 (trials.jsonl), the trial of highest majority mean@16 among those; the flags are that trial's, unrounded.
-# Run from the root after confirm.sh 11, 12, 13 (its vanilla runs are the baseline):
-#   bash benchmarks/results/tune/keepers.sh      # 12 runs in runs/testbed_keepers, then keepers/compare.md
-#   COMPARE_ONLY=1 bash benchmarks/results/tune/keepers.sh   # the comparison alone, from the runs already there
-#   DRY_RUN=1 bash benchmarks/results/tune/keepers.sh        # print the commands only
+# Run from the root after tune_confirm.sh 11, 12, 13 (its vanilla runs are the baseline):
+#   bash benchmarks/reproduce/tune_keepers.sh      # 12 runs in runs/testbed_keepers, then tune/keepers/compare.md
+#   COMPARE_ONLY=1 bash benchmarks/reproduce/tune_keepers.sh   # the comparison alone, from the runs already there
+#   DRY_RUN=1 bash benchmarks/reproduce/tune_keepers.sh        # print the commands only
 # (testbed.sh compares the keepers alone into keepers/ first; the comparison with vanilla below replaces it)
 set -euo pipefail
 [ -f benchmarks/reproduce/testbed.sh ] || { echo "error: run from the repository's root" >&2; exit 1; }

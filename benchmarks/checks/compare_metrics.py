@@ -1,7 +1,7 @@
 """Whether two runs logged the same metrics: every key of every metrics.jsonl row, except wall times, equal to a
 relative tolerance. Prints the largest relative difference and where; exit 1 if any exceeds --rtol.
 
-    python -m benchmarks.compare_metrics runs/a/metrics.jsonl runs/b/metrics.jsonl [--rtol 1e-6] [--allow-new]
+    python -m benchmarks.checks.compare_metrics runs/a/metrics.jsonl runs/b/metrics.jsonl [--rtol 1e-6] [--allow-new]
 
 --allow-new: metrics that only b logs (a change that adds metrics) are listed, not an error.
 """

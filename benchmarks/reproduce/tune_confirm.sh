@@ -1,8 +1,8 @@
 #!/bin/bash
 # The equal-budget study's confirmation (PLAN.md): each method's picked point beside vanilla's, 200 steps on
 # the fork testbed, seeds 11-13. Written by benchmarks/tune_report.py from the journals. Run from the root:
-#   bash benchmarks/results/tune/confirm.sh 11   # a seed's runs (its folder emptied first), the comparison
-#   bash benchmarks/results/tune/confirm.sh      # the comparison of every seed run so far (confirmation/)
+#   bash benchmarks/reproduce/tune_confirm.sh 11   # a seed's runs (its folder emptied first), the comparison
+#   bash benchmarks/reproduce/tune_confirm.sh      # the comparison of every seed run so far (confirmation/)
 set -euo pipefail
 [ -f benchmarks/reproduce/testbed.sh ] || { echo "error: run from the repository's root" >&2; exit 1; }
 export METHOD_FLAGS_grpo_vanilla="--kl-coef 0.001 --learning-rate 0.00011389755079412424 --num-mini-batches 2"

@@ -3,9 +3,9 @@ PyTorch, README "First GPU run"): one command of at most 9 minutes (--budget 540
 (not yet run on one: the times below are estimates), no downloads (the shipped testbed/, and random-weights models
 built locally by bench_gpu.build_model_dir: Qwen2.5-1.5B's dimensions, and LONG's small long-context one).
 
-    python -m benchmarks.gpu_smoke            # one GPU; everything printed is also written to runs/gpu_smoke.txt
-    python -m benchmarks.gpu_smoke --cpu      # the same checks at tiny sizes on CPU (tests/test_gpu_smoke.py)
-    python -m benchmarks.gpu_smoke --calibrate   # the numbers behind the long-context thresholds (LONG_GAP)
+    python -m benchmarks.checks.gpu_smoke        # one GPU; everything printed is also written to runs/gpu_smoke.txt
+    python -m benchmarks.checks.gpu_smoke --cpu  # the same checks at tiny sizes on CPU (tests/test_gpu_smoke.py)
+    python -m benchmarks.checks.gpu_smoke --calibrate   # the numbers behind the long-context thresholds (LONG_GAP)
 
 Each check prints one line, `PASS <check>: <numbers> [<s>]`, `FAIL <check>: <why> [<s>]` or `SKIP <check>: <why>`, in
 this order; then a summary line, and the exit code is 1 if any check failed. [<s>]: wall seconds of the process that
@@ -90,7 +90,7 @@ from testbed.common import CPU_ENV
 from testbed.ports import free_port
 from utils import versions
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 GAP_MAX = {"gpu": 0.1, "cpu": 1e-4}
 GAP_FLOOR = {"gpu": 5e-3, "cpu": 1e-6}
@@ -366,7 +366,7 @@ class Smoke:
         # one process needs no launcher: the scripts default to rank 0 of 1; run() gives it a port
         port = free_port()
         launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port)]
-        cmd = [sys.executable, *(launcher if nproc > 1 else []), "-m", "benchmarks.gpu_smoke", "--probe"]
+        cmd = [sys.executable, *(launcher if nproc > 1 else []), "-m", "benchmarks.checks.gpu_smoke", "--probe"]
         cmd += [os.path.join(ROOT, "tests", "inject.py")] if fault else []
         cmd += [os.path.join(ROOT, script), "--model-name-or-path", self.testbed.model_dir]
         cmd += ["--dataset", self.testbed.train_file, "--output-dir", out_dir]
@@ -547,7 +547,7 @@ def zero3_eval_check(s: Smoke, vllm: bool = False) -> list:
 def child_check(s: Smoke, flag: str, expected: list, scale: float) -> list:
     """This file with `flag` in a child process (the GPU is free again when it exits): its SMOKE lines."""
     log_dir = s.fresh_dir(flag.strip("-"))
-    cmd = [sys.executable, "-m", "benchmarks.gpu_smoke", flag, "--work-dir", s.work] + (
+    cmd = [sys.executable, "-m", "benchmarks.checks.gpu_smoke", flag, "--work-dir", s.work] + (
         ["--cpu"] if s.hw == "cpu" else []
     )
     res, fail = s.run(flag.strip("-"), cmd, log_dir, scale)
@@ -1249,7 +1249,7 @@ def too_old() -> str | None:
     """One line naming what is missing or older than utils.versions.MINIMUM_VERSIONS, or None."""
     missing = [m for m in NEEDED if not importable(m)]
     if missing:
-        wheels = "deepspeed, tyro, datasets, math_verify: benchmarks/gpu_wheelhouse.sh"
+        wheels = "deepspeed, tyro, datasets, math_verify: benchmarks/checks/gpu_wheelhouse.sh"
         return f"not installed: {', '.join(missing)} ({wheels})"
     return versions.too_old()
 
