@@ -214,8 +214,7 @@ class Args:
     entropy_high: float = 0.24
     """upper end of the target box of the clamped entropy, nats (MATH run: 0.24)"""
     entropy_coef_lr: float = 0.002
-    """step size of the coefficient, updated once per training step (box rule; not per optimizer update) (MATH run:
-    0.002)"""
+    """step size of the coefficient, updated once per training step, not per optimizer update (MATH run: 0.002)"""
     entropy_coef_warmup: int = 29
     """the coefficient is first stepped after step warmup + 1, from its entropy: coef_0 in steps 1 to warmup + 1 (MATH
     run: 30 in the reference's count, coef_0 in steps 1-30: 29 here)"""
@@ -225,22 +224,6 @@ class Args:
     """the coefficient is clipped to [min, max] (MATH run: 9e-3)"""
     entropy_coef_reg: float = 0.0
     """L2 pull of the coefficient towards coef_0 (the paper's optional term; 0: none, as in the reference code)"""
-    coef_rule: Literal["box", "target", "constant", "linear", "cosine"] = "box"
-    """box: AEnt's rule above (next_entropy_coef); target: Skywork-OR1's / TRL 1.16's (next_target_coef), with
-    --clamp-p 0 their plain entropy bonus (command lines: README.md, "Token selection by entropy"); constant: coef_0
-    (with --clamp-p 0: verl's plain entropy_coeff bonus, the paper's baseline); linear, cosine: scheduled_coef"""
-    entropy_coef_end: float = 0.0
-    """linear, cosine: the coefficient of the last step, reached from coef_0 over --total-steps (not clipped)"""
-    entropy_target: float = 0.2
-    """target rule: the entropy (nats) the coefficient steers towards (TRL, Skywork-OR1: 0.2)"""
-    entropy_coef_delta: float = 0.005
-    """target rule: the coefficient's step per --coef-cadence (TRL: 0.005; Skywork-OR1's scripts: 1e-4)"""
-    coef_cadence: Literal["step", "update"] = "step"
-    """target rule: the coefficient steps once per training step (Skywork-OR1), or after every optimizer update from
-    that update's entropy over all ranks, each update's bonus gated by the one before (TRL 1.16)"""
-    coef_signal: Literal["bonus", "nll"] = "bonus"
-    """target rule: the entropy it sees: the bonus's (the training forward's clamped entropy of the bonus tokens;
-    --clamp-p 0: the full entropy, TRL's), or the sampled tokens' NLL under the sampling policy (Skywork-OR1's)"""
     entropy_bonus_tokens: Literal["kept", "all"] = "kept"
     """rho < 1: the bonus (a mean) and the entropy the coefficient sees are over the kept tokens (TRL's sync) or all"""
 
@@ -273,18 +256,12 @@ class Args:
 
 def validate_args(args: Args, world_size: int) -> None:
     """Reject impossible settings at start with one line naming the flag (the shared flags: utils.checks.check_args)."""
-    steps = ("entropy_coef_lr", "entropy_coef_warmup", "entropy_coef_reg", "entropy_coef_delta", "entropy_coef_end")
+    steps = ("entropy_coef_lr", "entropy_coef_warmup", "entropy_coef_reg")
     method_checks = [
         (0 <= args.clamp_p < 1, f"--clamp-p must be in [0, 1) (got {args.clamp_p})"),
         (args.entropy_low <= args.entropy_high, "--entropy-low must be <= --entropy-high"),
         (0 <= args.entropy_coef_min <= args.entropy_coef_max, "--entropy-coef-min must be in [0, --entropy-coef-max]"),
         *[(getattr(args, f) >= 0, f"--{f.replace('_', '-')} must be >= 0 (got {getattr(args, f)})") for f in steps],
-        (args.coef_rule == "target" or args.coef_cadence == "step", "--coef-cadence update needs --coef-rule target"),
-        (args.coef_rule == "target" or args.coef_signal == "bonus", "--coef-signal nll needs --coef-rule target"),
-        (
-            args.coef_cadence == "step" or args.coef_signal == "bonus",
-            "--coef-signal nll is one value per step: it needs --coef-cadence step",
-        ),
     ]
     check_args(args, world_size, method_checks)
 
@@ -384,14 +361,13 @@ class ClampedEntropy(torch.autograd.Function):
         return grad, None, None
 
 
-def aent_metrics(summed: dict, coef_state: float, coef_spread: float, coef: float, updates_per_step: int) -> dict:
+def aent_metrics(summed: dict, coef: float, coef_spread: float, updates_per_step: int) -> dict:
     """AEnt's metrics from the step's sums over ranks: the clamped entropy of the sampling policy and of the policy
-    trained, the coefficient (its state after the step's updates, its spread over ranks, the last one applied) and
-    the bonus per update."""
+    trained, the step's coefficient (applied in every update), its spread over ranks and the bonus per update."""
     return {
         "entropy/clamped": summed["clamped"] / summed["tokens"],
         "entropy/clamped_train": summed["clamped_train"] / summed["train_tokens"],
-        "entropy/coef": coef_state,
+        "entropy/coef": coef,
         "entropy/coef_rank_spread": coef_spread,
         "entropy/coef_applied": coef,
         "entropy/bonus": summed["bonus"] / updates_per_step,
@@ -404,26 +380,6 @@ def next_entropy_coef(coef, entropy, *, low, high, lr, reg, init_coef, coef_min,
     the reference code) with H the token mean of the clamped entropy over the step's updates and ranks."""
     step = min(0.0, entropy - low) + max(0.0, entropy - high) + reg * (coef - init_coef)
     return min(max(coef - lr * step, coef_min), coef_max)
-
-
-def next_target_coef(coef, entropy, *, target, delta, coef_min, coef_max) -> float:
-    """Skywork-OR1's (arXiv 2505.22312) and TRL 1.16's coefficient step, once per training step (Skywork) or optimizer
-    update (TRL): min(coef + delta, coef_max) if H <= target, else max(coef - delta, coef_min); its bonus is gated
-    (target_gate)."""
-    return min(coef + delta, coef_max) if entropy <= target else max(coef - delta, coef_min)
-
-
-def scheduled_coef(rule: str, step: int, total_steps: int, start: float, end: float) -> float:
-    """The coefficient of training step `step` (0-based) on a schedule from `start` at the first step to `end` at the
-    last: linear, or a half cosine end + (start - end) (1 + cos(pi t)) / 2, t = step / (total_steps - 1)."""
-    t = min(step / max(total_steps - 1, 1), 1.0)
-    return start + (end - start) * t if rule == "linear" else end + (start - end) * (1 + math.cos(math.pi * t)) / 2
-
-
-def target_gate(last_entropy, target: float) -> bool:
-    """The target rule's gate: a bonus only after a step (or update) whose entropy was <= target (none before the
-    first one)."""
-    return last_entropy is not None and last_entropy <= target
 
 
 class Selection(NamedTuple):
@@ -516,14 +472,12 @@ if __name__ == "__main__":
     grad_accum = args.num_prompts_per_step // (args.num_mini_batches * world_size) * G // mbs  # micro-batches/update
     policy, scheduler, ref_policy = models.make_policy(args, on_gpu, grad_accum, updates_per_step)
     # consumed: prompts of the seeded stream used so far; method_state: what a method carries across steps (both saved)
-    start_step, consumed, method_state = 0, 0, {"entropy_coef": args.entropy_coef, "last_entropy": None}
+    start_step, consumed, method_state = 0, 0, {"entropy_coef": args.entropy_coef}
     if resumed:
         start_step, method_state, consumed = checkpoints.load(policy, resumed, rank)
     head_calls = models.head_calls(args)  # ZeRO-3: every rank calls the output head equally often (None: any number)
 
     synced = args.top_entropy_quantile < 1 and args.entropy_bonus_tokens == "kept"  # AEnt: the bonus on the kept tokens
-    limits = dict(coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)  # AEnt: the coefficient's range
-    target = dict(target=args.entropy_target, delta=args.entropy_coef_delta)  # AEnt: the target rule's
 
     def clamped(logits, _):  # AEnt: the clamped entropy of each token, from the log-prob kernel's chunk of logits
         return clamped_entropy(logits.float() / args.temperature, args.clamp_p)
@@ -600,10 +554,7 @@ if __name__ == "__main__":
                 aggregation = (args.loss_agg, totals["tokens"], totals["seqs"], args.max_response_length)
                 mini_weights = token_weights(lengths, in_loss, *aggregation).to(device)  # one copy per mini-batch
                 selector.start(mini, batches, entropies, bool(epoch or m))  # the 80/20 rule, global scope
-                coef_state = method_state["entropy_coef"]  # AEnt: the step's coefficient, the same on every rank
-                gate = args.coef_rule != "target" or target_gate(method_state.get("last_entropy"), args.entropy_target)
-                coef = coef_state if gate else 0.0
-                window = {k: sums[k] + 0 for k in ("clamped_train", "train_tokens")}  # AEnt: copies: sums grow in place
+                coef = method_state["entropy_coef"]  # AEnt: the step's coefficient, the same on every rank
                 for i, weights in zip(mini, mini_weights.split(sizes)):
                     batch = batches[i]
                     logp, entropy, clamped_h = logprobs(policy, batch, with_entropy=train_entropy, extra=clamped)
@@ -611,8 +562,7 @@ if __name__ == "__main__":
                     token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, *clip)
                     token_loss = token_loss * is_weights[i][0]  # the sampler's tokens, weighted to the trainer's
                     token_loss = selector.keep(i, token_loss, entropy, sums)  # the 80/20 rule: the kept tokens only
-                    # AEnt: the clamped-entropy bonus, aggregated like the loss (rho < 1, synced: a mean over the kept)
-                    s = selector.selection  # synced: the tokens the 80/20 rule kept, and tokens / kept
+                    s = selector.selection  # AEnt's bonus, aggregated like the loss; synced: a mean over the 80/20 kept
                     bonus_tokens = s.kept[i] if synced else torch.ones_like(clamped_h, dtype=torch.bool)
                     on = bonus_tokens * (s.scale if synced else 1.0)
                     token_loss = token_loss - coef * clamped_h * on
@@ -634,12 +584,6 @@ if __name__ == "__main__":
                         sums["clipped"] += (clipped.float() * weights).sum().double()
                         tracking.clip_sums(sums, log_ratio, adv, weights, *clip[:2])
                         sums["approx_kl"] += ((torch.exp(log_ratio) - 1 - log_ratio) * weights).sum().double()
-                if args.coef_cadence == "update":  # AEnt, TRL 1.16: the update's world entropy steps the coefficient
-                    window = distributed.all_reduce_sums({k: sums[k] - v for k, v in window.items()}, device)
-                    h = window["clamped_train"] / window["train_tokens"] if window["train_tokens"] else math.nan
-                    if math.isfinite(h):
-                        method_state["entropy_coef"] = next_target_coef(coef_state, h, **target, **limits)
-                        method_state["last_entropy"] = h  # the next update's gate
                 skipped += updates.record_update(policy, scheduler, grad_norms)  # or skipped (non-finite)
         metrics["time/training"] = time.time() - t0
 
@@ -663,24 +607,16 @@ if __name__ == "__main__":
             tracking.step_metrics(summed, args, grad_norms, skipped, scheduler, time.time() - step_start, maxima)
         )
         metrics.update(tracking.opening_metrics(entropies, batches, samples))  # the top 20% and first tokens
-        coef_range = torch.tensor([coef_state, -coef_state], dtype=torch.float64, device=device)  # AEnt: max, -min
+        coef_range = torch.tensor([coef, -coef], dtype=torch.float64, device=device)  # AEnt: max, -min
         dist.all_reduce(coef_range, op=dist.ReduceOp.MAX)
-        metrics.update(aent_metrics(summed, coef_state, coef_range.sum().item(), coef, updates_per_step))  # AEnt
+        metrics.update(aent_metrics(summed, coef, coef_range.sum().item(), updates_per_step))  # AEnt
         tracker.log(metrics, step + 1)
         # AEnt: same inputs on every rank, same value, no broadcast; a non-finite entropy (skipped updates) keeps it
-        h = metrics["entropy/sampled_nll" if args.coef_signal == "nll" else "entropy/clamped_train"]
-        per_step = math.isfinite(h) and args.coef_cadence == "step"  # else stepped after every update above
-        if per_step and args.coef_rule == "target":
-            method_state["entropy_coef"] = next_target_coef(coef_state, h, **target, **limits)
-        elif args.coef_rule in ("linear", "cosine"):  # the schedule: the next step's coefficient
-            schedule = (args.coef_rule, step + 1, args.total_steps, args.entropy_coef, args.entropy_coef_end)
-            method_state["entropy_coef"] = scheduled_coef(*schedule)
-        elif per_step and args.coef_rule == "box" and step >= args.entropy_coef_warmup:
+        h = metrics["entropy/clamped_train"]
+        if math.isfinite(h) and step >= args.entropy_coef_warmup:
             box = dict(low=args.entropy_low, high=args.entropy_high, lr=args.entropy_coef_lr, reg=args.entropy_coef_reg)
-            box["init_coef"] = args.entropy_coef
-            method_state["entropy_coef"] = next_entropy_coef(coef_state, h, **box, **limits)
-        if per_step:
-            method_state["last_entropy"] = h  # the target rule's gate in the next step
+            box |= dict(init_coef=args.entropy_coef, coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)
+            method_state["entropy_coef"] = next_entropy_coef(coef, h, **box)
         progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", entropy=f"{metrics['entropy/full']:.3f}")
 
         # ---- evaluation and checkpoint ----

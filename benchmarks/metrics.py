@@ -1,7 +1,8 @@
 # The metric names the grpo_*.py scripts log, by concern, for compare.py and wandb_report.py; docs: README.md
 # (The same name means the same quantity in every script; a method's own metrics are absent from the other runs.)
 
-AENT = ("entropy/clamped", "entropy/coef", "entropy/coef_applied")  # AEnt's H_S, its coefficient, as applied
+# AEnt's H_S, its coefficient, as applied (grpo_entreg.py's bonus logs the same: its entropy, coefficient, gated one)
+AENT = ("entropy/clamped", "entropy/coef", "entropy/coef_applied")
 # every method: the mean entropy of the step's 20% highest-entropy tokens (the forking tokens), beside the full mean
 ENTROPY = ("entropy/full", "entropy/top20", *AENT)
 # every method: the share of tokens whose ratio left the clip range, by side and sign of A (PPO silences high_pos and
@@ -35,8 +36,8 @@ LABELS = {
     "entropy/full": "full-vocabulary entropy (nats)",
     "entropy/top20": "entropy of the 20% highest-entropy tokens (nats)",
     "entropy/clamped": "clamped entropy (nats)",
-    "entropy/coef": "AEnt coefficient",
-    "entropy/coef_applied": "AEnt coefficient as applied (0: gated)",
+    "entropy/coef": "entropy-bonus coefficient (AEnt, grpo_entreg)",
+    "entropy/coef_applied": "entropy-bonus coefficient as applied (0: gated)",
     "entropy/kept": "entropy of the kept tokens (nats)",
     "entropy/kept_frac": "fraction of tokens kept (80/20 rule)",
     "entropy/mask_threshold": "entropy threshold of the kept tokens (nats)",

@@ -43,6 +43,8 @@ SPACES = {
         "entropy-coef-lr": ("log", 0.01, 2.0),
         "entropy-coef-warmup": ("int", 0, 20),
     },
+    # the plain bonus (full entropy), constant or annealed to 0 over the run (--entropy-coef-end 0, the default)
+    "grpo_entreg": {"entropy-coef": ("log", 1e-3, 0.5), "coef-rule": ("choice", ["constant", "linear", "cosine"])},
     "grpo_klcov": {"kl-cov-ratio": ("log", 1e-3, 0.5), "ppo-kl-coef": ("log", 0.1, 10.0)},
     "grpo_clipcov": {
         "clip-cov-ratio": ("log", 1e-3, 0.2),

@@ -24,6 +24,15 @@ CHANGED = {
             "logp, entropy, _ = logprobs(policy, batch, with_entropy=train_entropy)",
         ],
     },
+    "grpo_entreg.py": {
+        "Args": [],
+        "validate_args": ["check_args(args, world_size, method_checks=[])"],
+        "__main__": [
+            "start_step, consumed, method_state = 0, 0, {}",
+            "logp, entropy, _ = logprobs(policy, batch, with_entropy=True)",
+            "logp, entropy, _ = logprobs(policy, batch, with_entropy=train_entropy)",
+        ],
+    },
     "grpo_klcov.py": {
         "Args": [
             '"""optimizer updates per rollout batch and epoch (the batch is split into this many mini-batches)"""'
@@ -274,7 +283,8 @@ def test_readme_names_every_utils_module_and_the_sizes_hold():
 # the conditionals a method's loop adds to vanilla's, and why (vanilla's loop: at most 8, as CleanRL's ppo.py's)
 METHOD_CONDITIONALS = {
     "grpo_vanilla.py": 0,
-    "grpo_aent.py": 11,  # the bonus's two passes, its synced tokens, the box, target and scheduled rules, cadence
+    "grpo_aent.py": 3,  # the bonus's synced tokens (twice), the box rule
+    "grpo_entreg.py": 9,  # the synced tokens (twice), the target rule's gate, cadences and signals, the schedule
     "grpo_klcov.py": 3,  # the global or micro-batch selection (twice), the penalty's metrics
     "grpo_clipcov.py": 3,  # the same
     "grpo_lpreg.py": 3,  # the same

@@ -16,10 +16,11 @@ from testbed.common import CPU_ENV
 
 REHEARSAL = os.path.join(ROOT, "tests", "device_rehearsal.py")
 # the flags that change the step's code path, spread over the runs: every method file, each method's own paths
-# (CE-GPPO's SFT term and dual clip, GSPO's two levels, AEnt's rules and cadences, the Cov and Lp-Reg scopes, CISPO's
-# cap, W-REINFORCE's bonus), every 80/20 scope, source and norm, the reference KL, the rollout correction (vLLM's
-# log-probs), one update and several, two epochs, the three loss aggregations, packing and token budgets, dynamic
-# sampling and overlong shaping, evaluation, ZeRO-3 on 2 ranks, a rollout rank one step off
+# (CE-GPPO's SFT term and dual clip, GSPO's two levels, AEnt's box, the entropy bonus's target rule, its cadences and
+# signals, the Cov and Lp-Reg scopes, CISPO's cap, W-REINFORCE's bonus), every 80/20 scope, source and norm, the
+# reference KL, the rollout correction (vLLM's log-probs), one update and several, two epochs, the three loss
+# aggregations, packing and token budgets, dynamic sampling and overlong shaping, evaluation, ZeRO-3 on 2 ranks, a
+# rollout rank one step off
 STEP = {"num-mini-batches": 2, "micro-batch-size": 4, "total-steps": 1}
 TOP20 = {"top-entropy-quantile": 0.2}
 RUNS = {
@@ -55,18 +56,19 @@ RUNS = {
         {"dtype": "bfloat16", "head-dtype": "float32", "full-determinism": True, "vllm": True},
     ),
     "aent_box_kl_top20": ("grpo_aent.py", {**TOP20, "kl-coef": 0.01, "vllm": True}),
-    "aent_target_update_all": (
-        "grpo_aent.py",
+    "entreg_target_update_all_clamped": (
+        "grpo_entreg.py",
         {
             **TOP20,
             "entropy-mask-scope": "microbatch",
             "coef-rule": "target",
             "coef-cadence": "update",
             "entropy-bonus-tokens": "all",
+            "clamp-p": 0.33,
         },
     ),
-    "aent_target_nll_one_update": (
-        "grpo_aent.py",
+    "entreg_target_nll_one_update": (
+        "grpo_entreg.py",
         {"num-mini-batches": 1, "coef-rule": "target", "coef-signal": "nll"},
     ),
     "klcov_global_2ranks": ("grpo_klcov.py", {"nproc": 2, "kl-cov-ratio": 0.2}),

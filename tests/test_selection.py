@@ -1,25 +1,19 @@
-"""Entropy-based token selection (the 80/20 rule, --top-entropy-quantile) in every method, and AEnt's target rule
-(--coef-rule target): the selection against TRL 1.16's published definition on 2 real gloo ranks, TRL's micro-batch
-scope through every script, the target rule against TRL's update replayed on a run's log, resume. The global scope's
-layout independence: tests/test_selection_layouts.py."""
+"""Entropy-based token selection (the 80/20 rule, --top-entropy-quantile) in every method: the selection against TRL
+1.16's published definition on 2 real gloo ranks, TRL's micro-batch scope through every script. The global scope's
+layout independence: tests/test_selection_layouts.py; the target rule synced with it: tests/test_entreg.py."""
 
 import math
 import os
-import signal
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from launch import free_port, read_metrics, run_dir, run_script, script_flags, trainer_state
+from launch import free_port, read_metrics, run_dir, run_script, script_flags
 
-import grpo_aent as ga
 import grpo_vanilla as gv
 from utils import ops, tracking
-
-# the tests sharing its module-scoped runs: on one xdist worker (make test: --dist loadgroup), the others anywhere
-SHARED = pytest.mark.xdist_group("test_selection")
 
 
 def bf16_values(n: int, seed: int) -> torch.Tensor:
@@ -89,7 +83,6 @@ def _selection_worker(rank, world_size, port, results):
         dist.destroy_process_group()
 
 
-@pytest.mark.launches
 def test_selection_equals_trls_published_mask_on_two_ranks():
     """TRL 1.16's top_entropy_quantile on entropies with ties and unequal token counts per rank, rho 0, 0.2, 1: the
     same tokens on each rank (rho 0: the maximum only; rho 1: every token), and the same threshold on both ranks; the
@@ -116,7 +109,6 @@ METHODS = {
 }
 
 
-@pytest.mark.launches
 @pytest.mark.parametrize("script", list(METHODS))
 def test_microbatch_scope_selects_per_micro_batch_from_the_current_entropies(testbed, tmp_path, script):
     """TRL's scope, 2 ranks x 2 micro-batches per mini-batch: one threshold per micro-batch (of both ranks), from the
@@ -137,136 +129,6 @@ def test_microbatch_scope_selects_per_micro_batch_from_the_current_entropies(tes
     assert r["entropy/mask_threshold"] > 0 and math.isfinite(r["losses/policy_loss"]) and r["losses/grad_norm"] > 0
 
 
-# ---- AEnt's target rule (Skywork-OR1, TRL 1.16's use_adaptive_entropy) ----
-def trl_adaptive_entropy(entropies, coef, delta, target, low, high):
-    """TRL 1.16's controller as published: the bonus in a window uses the coefficient only if the previous window's
-    world entropy was <= target (none in the first); after each optimizer step the coefficient moves by +-delta."""
-    applied, coefs, last = [], [], math.inf
-    for h in entropies:
-        coefs.append(coef)
-        applied.append(coef if last <= target else 0.0)
-        coef = min(coef + delta, high) if h <= target else max(coef - delta, low)
-        last = h
-    return coefs, applied, coef
-
-
-def test_next_target_coef_and_gate():
-    limits = dict(coef_min=0.0, coef_max=0.012)
-    assert ga.next_target_coef(0.01, 0.2, target=0.2, delta=0.005, **limits) == 0.012  # at the target: up, clipped
-    assert ga.next_target_coef(0.01, 0.21, target=0.2, delta=0.005, **limits) == pytest.approx(0.005)
-    assert ga.next_target_coef(0.003, 0.5, target=0.2, delta=0.005, **limits) == 0.0
-    assert not ga.target_gate(None, 0.2) and ga.target_gate(0.2, 0.2) and not ga.target_gate(0.2001, 0.2)
-
-
-TARGET = {
-    "coef-rule": "target",
-    "clamp-p": 0.0,
-    "entropy-coef": 0.0,
-    "entropy-coef-delta": 0.02,
-    "entropy-coef-min": 0.0,
-    "entropy-coef-max": 0.05,
-    "top-entropy-quantile": 0.2,
-    "no-use-vllm": True,
-    "total-steps": 5,
-    "num-mini-batches": 2,
-    "micro-batch-size": 4,
-    "save-every": 1,
-}
-
-
-@pytest.fixture(scope="module")
-def target_run(testbed, tmp_path_factory):
-    """5 steps of the target rule synced with the selection; the target is put inside the kept tokens' entropies of
-    a first run, so that the coefficient moves both ways and the gate both opens and closes."""
-    probe = tmp_path_factory.mktemp("probe")
-    run_script("grpo_aent.py", script_flags(testbed, **{**TARGET, "total-steps": 3, "save-every": 0}), probe, nproc=0)
-    seen = sorted(r["entropy/clamped_train"] for r in read_metrics(run_dir(probe)))
-    target = round((seen[0] + seen[1]) / 2, 6)
-    out = tmp_path_factory.mktemp("target")
-    run_script("grpo_aent.py", script_flags(testbed, **TARGET, **{"entropy-target": target}), out, nproc=0)
-    return run_dir(out), target
-
-
-@pytest.mark.launches
-@SHARED
-def test_target_rule_equals_trls_update_replayed_on_the_logged_entropies(target_run):
-    path, target = target_run
-    rows = read_metrics(path)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    h = [r["entropy/clamped_train"] for r in rows]
-    coefs, applied, final = trl_adaptive_entropy(h, 0.0, 0.02, target, 0.0, 0.05)
-    assert [r["entropy/coef"] for r in rows] == pytest.approx(coefs, abs=1e-12)
-    assert [r["entropy/coef_applied"] for r in rows] == pytest.approx(applied, abs=1e-12)
-    assert rows[0]["entropy/coef_applied"] == 0 and rows[0]["entropy/bonus"] == 0  # no bonus before a measurement
-    state = trainer_state(path)["method_state"]
-    assert state["entropy_coef"] == pytest.approx(final, abs=1e-12) and state["last_entropy"] == h[-1]
-    # synced with the selection: the controller sees the kept tokens' entropy (clamp-p 0: the full entropy)
-    assert all(r["entropy/clamped_train"] > 2 * r["entropy/full"] for r in rows)
-    for r in rows:  # the bonus is coef x the mean entropy of the kept tokens (2 updates per step, token-mean)
-        assert r["entropy/bonus"] == pytest.approx(r["entropy/coef_applied"] * r["entropy/clamped_train"], rel=0.1)
-
-
-@pytest.mark.launches
-@SHARED
-def test_killed_target_rule_run_resumes_the_same_coefficient_trajectory(testbed, target_run, tmp_path):
-    path, target = target_run
-    flags = script_flags(testbed, **TARGET, **{"entropy-target": target})
-    proc = run_script("grpo_aent.py", flags, tmp_path, nproc=0, fault="kill-step:7", check=False)  # in step 4
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    resumed = run_dir(tmp_path)
-    assert trainer_state(resumed)["step"] == 3
-    run_script("grpo_aent.py", flags + ["--resume", resumed], tmp_path, nproc=0)
-    a, b = read_metrics(path), read_metrics(resumed)
-    assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
-    for x, y in zip(a, b):
-        for key in ("entropy/coef", "entropy/coef_applied", "entropy/clamped_train", "entropy/kept_frac"):
-            assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-9), (x["step"], key)
-    assert trainer_state(resumed)["method_state"] == pytest.approx(trainer_state(path)["method_state"], rel=1e-5)
-
-
-@pytest.mark.launches
-def test_update_cadence_steps_the_coefficient_after_every_update_as_trl(testbed, tmp_path):
-    """--coef-cadence update (TRL 1.16): 2 updates per step, an entropy always below the target: the coefficient rises
-    by delta after every update, and the second update of step 1 already gets the bonus (gated by the first)."""
-    flags = {**TARGET, "total-steps": 3, "save-every": 0, "coef-cadence": "update", "entropy-target": 100.0}
-    flags.update({"entropy-coef-delta": 0.01, "entropy-coef-max": 1.0})
-    run_script("grpo_aent.py", script_flags(testbed, **flags), tmp_path, nproc=0)
-    rows, path = read_metrics(run_dir(tmp_path)), run_dir(tmp_path)
-    coefs, applied, final = trl_adaptive_entropy([0.0] * 6, 0.0, 0.01, 100.0, 0.0, 1.0)  # one entropy per update
-    assert [r["entropy/coef"] for r in rows] == pytest.approx(coefs[1::2], abs=1e-12)  # each step's last update
-    assert [r["entropy/coef_applied"] for r in rows] == pytest.approx(applied[1::2], abs=1e-12)
-    assert rows[0]["entropy/bonus"] > 0 and trainer_state(path)["method_state"]["entropy_coef"] == pytest.approx(final)
-
-
-def skywork_ent_controller(nlls, coef, delta, target, low, high):
-    """Skywork-OR1's EntController (verl/trainer/ppo/core_algos.py) as its trainer drives it: once per step, from the
-    step's NLL of the sampled tokens under the old policy; the bonus on (enabled) only after a step below the target
-    (enabled from the start: with their initial coefficient 0 the same as gated)."""
-    applied, coefs, enabled = [], [], 1
-    for h in nlls:
-        coefs.append(coef)
-        applied.append(coef * enabled)
-        coef = float(np.clip(coef + delta if h < target else coef - delta, low, high))
-        enabled = int(h < target)
-    return coefs, applied, coef
-
-
-@pytest.mark.launches
-def test_nll_signal_is_skywork_or1s_controller_replayed(testbed, tmp_path):
-    """The Skywork-OR1 command line (README.md), its target scaled to the testbed: the coefficient and the bonus's
-    gate follow Skywork's controller replayed on the logged NLL."""
-    flags = {"coef-rule": "target", "coef-signal": "nll", "clamp-p": 0.0, "entropy-coef": 0.0, "no-use-vllm": True}
-    flags.update({"entropy-target": 0.14, "entropy-coef-delta": 0.002, "entropy-coef-min": 0.0})
-    flags.update({"entropy-coef-max": 0.005, "total-steps": 5, "num-mini-batches": 1})
-    run_script("grpo_aent.py", script_flags(testbed, **flags), tmp_path, nproc=0)
-    rows = read_metrics(run_dir(tmp_path))
-    coefs, applied, final = skywork_ent_controller([r["entropy/sampled_nll"] for r in rows], 0.0, 0.002, 0.14, 0, 0.005)
-    assert [r["entropy/coef"] for r in rows] == pytest.approx(coefs, abs=1e-12)
-    assert [r["entropy/coef_applied"] for r in rows] == pytest.approx(applied, abs=1e-12)
-    assert trainer_state(run_dir(tmp_path))["method_state"]["entropy_coef"] == pytest.approx(final, abs=1e-12)
-
-
-@pytest.mark.launches
 def test_current_entropies_select_as_trls_scope_where_a_mini_batch_is_one_micro_batch(testbed, tmp_path):
     """--entropy-mask-source current: the current policy's entropies, as TRL's scope, which sees the same set where a
     mini-batch is one micro-batch (16 sequences, 1 rank): the same run; the sampling policy's differ after an update."""

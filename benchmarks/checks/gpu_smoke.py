@@ -20,7 +20,7 @@ made the line. A failed check never stops the later ones. Checks that need no vL
 3. zero3-save: grpo_vanilla.py --zero-stage 3: the consolidated final/ holds every base tensor at its full shape.
    eval: benchmarks/eval.py --no-use-vllm on that final/.
 4. nan-step2: a NaN loss in step 2's first backward (GRPO_FAULT, tests/inject.py): skipped_updates 0, 1, 0.
-5. aent (--coef-rule target, the 80/20 rule per micro-batch), klcov (ZeRO-3, global Cov selection), clipcov (packed
+5. aent (box rule from step 1, the 80/20 rule per micro-batch), klcov (ZeRO-3, global Cov selection), clipcov (packed
    token-budget micro-batches), cegppo-sft (grpo_cegppo.py --cegppo-sft-coef 0.1, issue 57: its mask met the GPU's
    log-probs from the CPU): each method's loop on this device; its own metrics finite and non-trivial (cegppo/sft_nll
    > 0 in some step).
@@ -494,7 +494,7 @@ RUNS = {  # name: (script, flags beyond TRAIN_FLAGS and --no-use-vllm, verdict o
     "vanilla-zero2": ("grpo_vanilla.py", {"top-entropy-quantile": 0.2}, kept_verdict),
     "aent": (
         "grpo_aent.py",
-        {"coef-rule": "target", "entropy-target": 10, "top-entropy-quantile": 0.2, "entropy-mask-scope": "microbatch"},
+        {"entropy-coef-warmup": 0, "top-entropy-quantile": 0.2, "entropy-mask-scope": "microbatch"},
         aent_verdict,
     ),
     "klcov": ("grpo_klcov.py", {"zero-stage": 3, "num-mini-batches": 2, "kl-cov-ratio": 0.2}, cov_verdict),

@@ -1,5 +1,5 @@
-"""The rollout correction's modes (utils/rollout_correction.py), the KL estimators (utils/kl.py) and AEnt's plain
-entropy bonus (grpo_aent.py, --clamp-p 0 --coef-rule constant) against the frameworks' own code, run at run time:
+"""The rollout correction's modes (utils/rollout_correction.py), the KL estimators (utils/kl.py) and the plain entropy
+bonus (grpo_entreg.py's default: --clamp-p 0 --coef-rule constant) against the frameworks' own code, run at run time:
 - TRL 1.16.0: the importance-sampling block of GRPOTrainer._generate_and_score_completions (its four
   vllm_importance_sampling_mode values, with and without vllm_importance_sampling_clip_min), and the statements of
   GRPOTrainer._compute_loss from the log-ratio to the KL term (k3, use_bias_correction_kl off and on), each taken out of
@@ -162,7 +162,7 @@ def write(path: str, passk_adv: str | None) -> None:
 
 
 def check(path: str) -> int:
-    import grpo_aent as ga
+    import grpo_entreg as ge
     from utils.kl import kl_penalty
     from utils.rollout_correction import rollout_weights
 
@@ -194,11 +194,11 @@ def check(path: str) -> int:
             pairs = ((kl.detach()[idle], c["value"][idle]), (logp.grad[idle], c["grad"][idle]))
             diff = max((a - b).abs().max().item() for a, b in pairs)
             ok = all(torch.allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL) for a, b in pairs)
-        else:  # AEnt at --clamp-p 0, constant coefficient 0.01: -coef H aggregated with the script's token weights
+        else:  # grpo_entreg.py at --clamp-p 0, a constant 0.01: -coef H aggregated with the script's token weights
             family = f"verl plain entropy bonus {c['bonus']}"
             logits = c["logits"].clone().requires_grad_()
-            weights = ga.token_weights(lengths, 1, c["bonus"], int(mask.sum()), len(lengths), mask.shape[1])
-            bonus = -0.01 * (ga.clamped_entropy(logits[mask], 0.0) * weights).sum()
+            weights = ge.token_weights(lengths, 1, c["bonus"], int(mask.sum()), len(lengths), mask.shape[1])
+            bonus = -0.01 * (ge.clamped_entropy(logits[mask], 0.0) * weights).sum()
             bonus.backward()
             diff = max(abs(bonus.item() - c["value"].item()), (logits.grad - c["grad"]).abs().max().item())
             ok = math.isclose(bonus.item(), c["value"].item(), rel_tol=GRAD_RTOL)

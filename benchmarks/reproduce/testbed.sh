@@ -4,7 +4,7 @@
 # Writes the runs to runs/testbed_compare/ (emptied first) and the table and plots to benchmarks/results/testbed/ (the README's results).
 #
 #   bash benchmarks/reproduce/testbed.sh                        # 4 methods x 3 seeds x 200 steps, 2 runs at a time
-#   METHODS="grpo_vanilla grpo_vanilla_top20 grpo_vanilla_top50 grpo_aent_top20 grpo_aent_target" \
+#   METHODS="grpo_vanilla grpo_vanilla_top20 grpo_vanilla_top50 grpo_aent_top20 grpo_entreg_target" \
 #     OUT=runs/testbed_selection RESULTS=benchmarks/results/testbed/selection bash benchmarks/reproduce/testbed.sh
 #                                                               # token selection and the target rule (below)
 #   METHODS="grpo_vanilla grpo_vanilla_cliphigher grpo_aent_top20_all grpo_vanilla_filter grpo_klcov_filter \
@@ -28,9 +28,9 @@
 #   METHODS="grpo_vanilla grpo_sapo grpo_gspo grpo_wreinforce" OUT=runs/testbed_variants \
 #     RESULTS=benchmarks/results/testbed/variants bash benchmarks/reproduce/testbed.sh   # SAPO, GSPO, W-REINFORCE
 #   (and with TESTBED=fork, RESULTS=benchmarks/results/testbed/fork_variants: on the fork testbed)
-#   METHODS="grpo_vanilla grpo_aent grpo_aent_linear grpo_aent_plain" OUT=runs/testbed_schedule \
-#     RESULTS=benchmarks/results/testbed/schedule bash benchmarks/reproduce/testbed.sh   # AEnt's schedule, plain bonus
-#   TESTBED=fork METHODS="grpo_vanilla grpo_aent grpo_aent_linear grpo_aent_plain grpo_passk grpo_vanilla_kl" \
+#   METHODS="grpo_vanilla grpo_aent grpo_entreg_linear grpo_entreg_plain" OUT=runs/testbed_schedule \
+#     RESULTS=benchmarks/results/testbed/schedule bash benchmarks/reproduce/testbed.sh   # the scheduled, plain bonus
+#   TESTBED=fork METHODS="grpo_vanilla grpo_aent grpo_entreg_linear grpo_entreg_plain grpo_passk grpo_vanilla_kl" \
 #     OUT=runs/testbed_fork_schedule RESULTS=benchmarks/results/testbed/fork_schedule \
 #     bash benchmarks/reproduce/testbed.sh                      # the schedule and plain bonus, and the two controls
 set -euo pipefail
@@ -127,14 +127,16 @@ method_flags() {
     # (0.005 a step) and initial coefficient 0; the target (TRL, Skywork: 0.2 nats, ~30% of a 1.5B model's 0.65-0.72
     # at the start) is put mid-way in grpo_aent's box, 0.09 (~70% of the testbed's 0.133), so both controllers aim at
     # the same entropy; the range [0, 0.5] is grpo_aent's (TRL: [0, 1])
-    grpo_aent_target) echo "grpo_aent --coef-rule target --clamp-p 0 --entropy-target 0.09 --entropy-coef 0
-                            --entropy-coef-delta 0.005 --entropy-coef-min 0 --entropy-coef-max 0.5" ;;
-    # AEnt's coefficient on a schedule (issue 59; chosen before its runs): grpo_aent's coef_0 (0.05) annealed linearly
-    # to 0 over the run, no controller (Entrocraft's best schedule: linear annealing), the clamped entropy as grpo_aent
-    grpo_aent_linear) echo "grpo_aent --coef-rule linear --clamp-p 0.33 --entropy-coef 0.05 --entropy-coef-end 0" ;;
-    # the plain entropy bonus (verl's entropy_coeff, the baseline AEnt's paper argues against): the full entropy at
-    # grpo_aent's coef_0, constant
-    grpo_aent_plain) echo "grpo_aent --coef-rule constant --clamp-p 0 --entropy-coef 0.05" ;;
+    # (grpo_aent_target until grpo_entreg.py took the rule from grpo_aent.py: the same flags there)
+    grpo_entreg_target) echo "grpo_entreg --coef-rule target --clamp-p 0 --entropy-target 0.09 --entropy-coef 0
+                              --entropy-coef-delta 0.005 --entropy-coef-min 0 --entropy-coef-max 0.5" ;;
+    # the entropy bonus on a schedule (issue 59; chosen before its runs; grpo_aent_linear before): grpo_aent's coef_0
+    # (0.05) annealed linearly to 0 over the run, no controller (Entrocraft's best schedule: linear annealing), the
+    # clamped entropy as grpo_aent
+    grpo_entreg_linear) echo "grpo_entreg --coef-rule linear --clamp-p 0.33 --entropy-coef 0.05 --entropy-coef-end 0" ;;
+    # the plain entropy bonus (verl's entropy_coeff, the baseline AEnt's paper argues against; grpo_aent_plain
+    # before): the full entropy at grpo_aent's coef_0, constant
+    grpo_entreg_plain) echo "grpo_entreg --coef-rule constant --clamp-p 0 --entropy-coef 0.05" ;;
     # issue 60's two controls on the fork testbed (chosen before their runs): Pass@k Training at k 4 of the group of 8
     # (the method's default), and GRPO with the k3 KL to the initial policy at the GRPO paper's 0.04 (a per-token
     # coefficient of a per-token KL in nats: unscaled)
