@@ -70,8 +70,7 @@ class Args:
     attn_implementation: str = "sdpa"
     """the policy's attention in transformers: sdpa, eager, or flash_attention_2 (GPUs, with flash-attn installed)"""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """the weights' and the sampler's dtype; auto: bfloat16 on GPUs, float32 on a CPU (bfloat16 there rehearses a GPU
-    run's numerics, `make test-bf16`)"""
+    """the weights' and the sampler's dtype; auto: bfloat16 on GPUs, float32 on a CPU (bf16 there: `make test-bf16`)"""
     head_dtype: Literal["float32", "model"] = "float32"
     """the output head's logits in the trainer and in vLLM alike: float32 from bf16 weights, or the weights' dtype
     (model: the sampler's log-probs further from the trainer's, benchmarks/results/head_dtype.md)"""
@@ -148,7 +147,7 @@ class Args:
     learning_rate: float = 1e-6
     """the learning rate of the optimizer"""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """decay after warm-up, over total_steps"""
+    """after warm-up: constant, or a linear / cosine decay to 0 at --total-steps"""
     warmup_steps: int = 0
     """linear learning-rate warm-up, in training steps"""
     weight_decay: float = 0.0
@@ -176,9 +175,9 @@ class Args:
     clip_ratio_c: float = 0.0
     """dual clip: where A < 0 the loss is at most -A c (verl's clip_ratio_c, its default 3); 0: PPO's clip alone"""
     rollout_correction: CorrectionMode = "token-truncate"
-    """each token's loss times a weight of r = pi_old / pi_sampler bounded by [--vllm-is-min, --vllm-is-cap] against
-    the sampler's disagreement with the trainer (bf16 kernels): token-truncate min(r, C) (TIS); token-mask (IcePop
-    with a lower bound), sequence-truncate, sequence-mask (TRL 1.16's; its default sequence-mask, C 3); geo-mask"""
+    """each token's loss weight from r = pi_old / pi_sampler (the sampler's gap to the trainer) per token (token-), the
+    sequence's product (sequence-) or geometric mean (geo-), in [--vllm-is-min, --vllm-is-cap]: truncate clips r (TIS),
+    mask keeps r, 0 outside (IcePop; TRL's default sequence-mask, C 3); geo-mask: 1, 0 outside (verl's rejection)"""
     vllm_is_cap: float = 2.0
     """the rollout correction's upper bound C; 0 disables the correction (verl's default)"""
     vllm_is_min: float = 0.0
@@ -186,12 +185,13 @@ class Args:
     kl_coef: float = 0.0
     """coefficient of the KL to the initial policy; 0 (default) does not load a reference model"""
     kl_estimator: Literal["k1", "k2", "k3", "k1+", "k3+", "k3-is"] = "k3"
-    """the KL's per-token estimator (utils/kl.py): verl's k1, k2, k3 and straight-through k1+, k3+; k3-is: k3 times
-    pi / pi_old, DeepSeek-V3.2's unbiased form (TRL 1.16's default, use_bias_correction_kl)"""
+    """d = log pi - log pi_ref per token (utils/kl.py): verl's k1 d, k2 d^2 / 2, k3 exp(-d) + d - 1, k1+ and k3+
+    (with k2's gradient); k3-is: k3 times pi / pi_old, DeepSeek-V3.2's (TRL 1.16's default, use_bias_correction_kl)"""
     scale_rewards: bool = True
     """divide advantages by the group's reward std (GRPO); `--no-scale-rewards` is Dr. GRPO"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    """how per-token losses are averaged over the optimizer mini-batch (all ranks together)"""
+    """the loss of the mini-batch of all ranks: token-mean, the mean over its tokens; seq-mean-token-mean, the mean of
+    each sequence's token mean; seq-mean-token-sum-norm, of each one's token sum / --max-response-length (Dr. GRPO)"""
     top_entropy_quantile: float = 1.0
     """80/20 rule (Wang et al. 2025, arXiv 2506.01939): only tokens whose entropy is at or above the (1 - rho) quantile
     keep their policy-gradient term (a method's own loss terms too; the reference KL stays on every token); 1: off

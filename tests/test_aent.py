@@ -205,6 +205,7 @@ def straight_run(testbed, tmp_path_factory):
     return run_dir(out)
 
 
+@pytest.mark.launches
 def test_one_coefficient_on_every_rank_stepped_from_the_world_mean(testbed, straight_run):
     rows = read_metrics(straight_run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

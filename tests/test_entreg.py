@@ -27,6 +27,7 @@ def test_scheduled_coefficient_goes_from_coef_0_to_the_end_over_the_run(rule, ex
     assert ge.scheduled_coef("linear", 1, 3, 0.01, 0.05) == pytest.approx(0.03)  # rising works alike
 
 
+@pytest.mark.launches
 def test_clamp_zero_and_constant_coefficient_is_plain_entropy_regularisation(testbed, tmp_path):
     flags = {
         "no-use-vllm": True,
@@ -43,6 +44,7 @@ def test_clamp_zero_and_constant_coefficient_is_plain_entropy_regularisation(tes
         assert r["entropy/bonus"] == pytest.approx(0.05 * r["entropy/clamped_train"], rel=1e-6)
 
 
+@pytest.mark.launches
 def test_scheduled_coefficient_in_a_run_and_in_its_checkpoints(testbed, tmp_path):
     """--coef-rule linear from 0.05 to 0.01 over 3 steps: 0.05, 0.03, 0.01 applied; each checkpoint holds the next
     step's coefficient (a resumed run continues the schedule)."""
@@ -107,6 +109,7 @@ def target_run(testbed, tmp_path_factory):
     return run_dir(out), target
 
 
+@pytest.mark.launches
 @SHARED
 def test_target_rule_equals_trls_update_replayed_on_the_logged_entropies(target_run):
     path, target = target_run
@@ -125,6 +128,7 @@ def test_target_rule_equals_trls_update_replayed_on_the_logged_entropies(target_
         assert r["entropy/bonus"] == pytest.approx(r["entropy/coef_applied"] * r["entropy/clamped_train"], rel=0.1)
 
 
+@pytest.mark.launches
 @SHARED
 def test_killed_target_rule_run_resumes_the_same_coefficient_trajectory(testbed, target_run, tmp_path):
     path, target = target_run
@@ -142,6 +146,7 @@ def test_killed_target_rule_run_resumes_the_same_coefficient_trajectory(testbed,
     assert trainer_state(resumed)["method_state"] == pytest.approx(trainer_state(path)["method_state"], rel=1e-5)
 
 
+@pytest.mark.launches
 def test_update_cadence_steps_the_coefficient_after_every_update_as_trl(testbed, tmp_path):
     """--coef-cadence update (TRL 1.16): 2 updates per step, an entropy always below the target: the coefficient rises
     by delta after every update, and the second update of step 1 already gets the bonus (gated by the first)."""
@@ -168,6 +173,7 @@ def skywork_ent_controller(nlls, coef, delta, target, low, high):
     return coefs, applied, coef
 
 
+@pytest.mark.launches
 def test_nll_signal_is_skywork_or1s_controller_replayed(testbed, tmp_path):
     """The Skywork-OR1 command line (README.md), its target scaled to the testbed: the coefficient and the bonus's
     gate follow Skywork's controller replayed on the logged NLL."""

@@ -83,6 +83,7 @@ def _selection_worker(rank, world_size, port, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.launches
 def test_selection_equals_trls_published_mask_on_two_ranks():
     """TRL 1.16's top_entropy_quantile on entropies with ties and unequal token counts per rank, rho 0, 0.2, 1: the
     same tokens on each rank (rho 0: the maximum only; rho 1: every token), and the same threshold on both ranks; the
@@ -109,6 +110,7 @@ METHODS = {
 }
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("script", list(METHODS))
 def test_microbatch_scope_selects_per_micro_batch_from_the_current_entropies(testbed, tmp_path, script):
     """TRL's scope, 2 ranks x 2 micro-batches per mini-batch: one threshold per micro-batch (of both ranks), from the
@@ -129,6 +131,7 @@ def test_microbatch_scope_selects_per_micro_batch_from_the_current_entropies(tes
     assert r["entropy/mask_threshold"] > 0 and math.isfinite(r["losses/policy_loss"]) and r["losses/grad_norm"] > 0
 
 
+@pytest.mark.launches
 def test_current_entropies_select_as_trls_scope_where_a_mini_batch_is_one_micro_batch(testbed, tmp_path):
     """--entropy-mask-source current: the current policy's entropies, as TRL's scope, which sees the same set where a
     mini-batch is one micro-batch (16 sequences, 1 rank): the same run; the sampling policy's differ after an update."""
