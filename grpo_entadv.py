@@ -14,8 +14,8 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from dataclasses import dataclass, field
+from typing import Annotated, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from tqdm import tqdm
 from utils import batching, checkpoints, distributed, models, ops, process, rollout_rank, rollouts, tracking, updates
 from utils.checks import check_args
 from utils.data import check_model, eval_prompts, load_tokenizer, tokenized_prompts
+from utils.engine import EngineArgs
 from utils.evaluation import evaluate
 from utils.kl import kl_penalty
 from utils.logprobs import response_logprobs
@@ -41,35 +42,10 @@ class Args:
     """the name of this experiment"""
     seed: int = 1
     """seed of the experiment"""
-    torch_deterministic: bool = True
-    """if toggled, `torch.backends.cudnn.deterministic=True`"""
-    full_determinism: bool = False
-    """bitwise-repeatable GPU runs, at a cost no GPU has measured yet (utils/distributed.py; CPU runs repeat anyway)"""
-    track: bool = False
-    """if toggled, this experiment will be tracked with Weights and Biases"""
-    wandb_project_name: str = "grpo-entropy"
-    """the wandb's project name"""
-    wandb_entity: str | None = None
-    """the entity (team) of wandb's project"""
-    wandb_group: str | None = None
-    """the wandb run group (default: exp_name, i.e. the method)"""
-    wandb_tags: tuple[str, ...] = ()
-    """extra wandb tags, next to the method, the git commit and the comma-separated $WANDB_TAGS"""
-    output_dir: str = "runs"
-    """runs/<run_name>/ receives metrics.jsonl, args.json, checkpoints/ and final/"""
-    local_rank: int = -1
-    """set by the deepspeed launcher; the rank is read from the environment"""
 
     # Model and data
     model_name_or_path: str = "Qwen/Qwen2.5-Math-1.5B"
     """the policy to train: a hub id or a local HF directory"""
-    attn_implementation: str = "sdpa"
-    """the policy's attention in transformers: sdpa, eager, or flash_attention_2 (GPUs, with flash-attn installed)"""
-    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """the weights' and the sampler's dtype; auto: bfloat16 on GPUs, float32 on a CPU (bf16 there: `make test-bf16`)"""
-    head_dtype: Literal["float32", "model"] = "float32"
-    """the output head's logits in the trainer and in vLLM alike: float32 from bf16 weights, or the weights' dtype
-    (model: the sampler's log-probs further from the trainer's, benchmarks/results/head_dtype.md)"""
     dataset: str = "DigitalLearningGmbH/MATH-lighteval"
     """training prompts: a hub id or a local .jsonl/.json/.parquet file (default: MATH's 7,500 training problems)"""
     dataset_split: str | None = None
@@ -103,22 +79,6 @@ class Args:
     """sampling temperature; log-probs and entropies are computed at this temperature"""
     top_p: float = 1.0
     """nucleus sampling: must be 1 (checked), the loss's log-probs and entropy are of the full softmax"""
-    grading_workers: int = 0
-    """reward-grading processes (0: this rank's share of the node's cores; 1: serial, in the training process)"""
-    use_vllm: bool = True
-    """generate with a colocated vLLM engine in every rank; `--no-use-vllm` uses HF generate"""
-    vllm_gpu_memory_utilization: float = 0.5
-    """fraction of GPU memory vLLM may take (weights + KV cache); it must be free when the engine starts"""
-    vllm_kv_cache_memory: float = 0.0
-    """GiB of KV cache per rank, instead of what the fraction above leaves (vLLM's kv_cache_memory_bytes; on a GPU the
-    fraction must still be free at start); 0: vLLM's sizing. On a CPU it replaces VLLM_CPU_KVCACHE_SPACE (whole GiB)"""
-    vllm_sleep_level: int = 2
-    """GPU only: put the engine to sleep during training (0: never, 1: offload weights to host memory and back every
-    step, 2: discard them: every parameter is pushed anew, and vLLM 0.33 saves and restores the model's buffers)"""
-    vllm_tensor_parallel_size: int = 1
-    """ranks per vLLM engine: each group of this many consecutive ranks shares one tensor-parallel engine"""
-    rollout_ranks: int = 0
-    """the last this many processes only generate, the others train (utils/split_launch.py); 0: colocated engines"""
     max_staleness: int = 0
     """--rollout-ranks: each step trains on samples of the policy s updates behind (0: no overlap; 1: one-step-off)"""
     filter_groups: bool = False
@@ -150,20 +110,10 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """the maximum norm for gradient clipping"""
-    max_bad_steps: int = 3
-    """abort after this many consecutive steps with a non-finite gradient (DeepSpeed skips them on every rank)"""
     num_mini_batches: int = 4
     """optimizer updates per rollout batch and epoch (the batch is split into this many mini-batches)"""
     num_epochs: int = 1
     """passes over each rollout batch"""
-    micro_batch_size: int = 4
-    """sequences per forward/backward on each rank (gradient accumulation fills the mini-batch)"""
-    max_tokens_per_micro_batch: int = 0
-    """instead of --micro-batch-size: micro-batches of at most this many tokens (prompt + response), as few as each
-    rank's share of a mini-batch needs and as many on every rank; 0: --micro-batch-size sequences each"""
-    padding_free: bool = False
-    """each micro-batch's sequences in one row without padding, positions restarting per sequence (attention stays
-    within each: flash-attention-2's varlen kernel, or a block-causal mask with sdpa/eager)"""
     clip_eps_low: float = 0.2
     """PPO lower clip: ratio >= 1 - eps_low"""
     clip_eps_high: float = 0.2
@@ -201,8 +151,6 @@ class Args:
     entropy_mask_norm: Literal["all", "kept"] = "all"
     """the policy-gradient term's denominator counts every response token (TRL) or only the kept ones (the paper's
     Eq. 6, the authors' verl code): a mean over the kept tokens of the mini-batch of all ranks (theirs: micro-batch)"""
-    logprob_chunk_size: int = 1024
-    """tokens per chunk of the vocabulary projection; bounds the [tokens, vocab] temporaries"""
 
     # Entropy-based advantage (Cheng et al. 2025, arXiv 2506.14758)
     entadv_alpha: float = 0.4
@@ -212,23 +160,9 @@ class Args:
     """kappa: the bonus is at most |A| / kappa (paper, section 4: 2 throughout); > 1 as its Eq. 5 requires, so that the
     shaped advantage keeps A's sign and, for A < 0, stays negative"""
 
-    # DeepSpeed
-    zero_stage: int = 2
-    """DeepSpeed ZeRO stage (2 or 3)"""
-    offload: bool = False
-    """offload optimizer state (and ZeRO-3 parameters) to CPU memory"""
-    gradient_checkpointing: bool = True
-    """recompute activations in the backward pass"""
-
-    # Checkpoints
-    save_every: int = 50
-    """save a resumable checkpoint every this many steps; 0 disables"""
-    keep_checkpoints: int = 2
-    """keep only the newest this many checkpoints"""
-    resume: str | None = None
-    """resume from a run directory (its newest complete checkpoint) or a checkpoint directory"""
-    resume_allow_changes: bool = False
-    """resume even if training settings differ from the checkpoint's (refused by default, naming them)"""
+    # How and where it runs: hardware, numerics, checkpoints, tracking (utils/engine.py; their own --help group)
+    engine: Annotated[EngineArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=EngineArgs)
+    """the engine's flags, each by its own name (--zero-stage, --track, ...): none is the method's"""
 
     # filled in at runtime
     world_size: int = 0
@@ -237,6 +171,11 @@ class Args:
     """{exp_name}__{seed}__{unix time}, or the resumed run's name"""
     git_commit: str = ""
     """short hash of the code's commit, "-dirty" with uncommitted changes"""
+
+    def __getattr__(self, name):  # args.zero_stage reads the engine's flag: utils/ takes `args` as one namespace
+        if name == "engine":  # not made yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self.engine, name)
 
 
 def validate_args(args: Args, world_size: int) -> None:

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from grpo_vanilla import Args  # noqa: E402
 from utils import distributed, models  # noqa: E402
 from utils.batching import collate  # noqa: E402
+from utils.engine import make_args  # noqa: E402
 from utils.logprobs import response_logprobs  # noqa: E402
 
 LONG = 4096
@@ -36,7 +37,7 @@ LONG = 4096
 
 def bf16_args(model_dir: str, stage: int, **overrides):
     """The scripts' Args with bf16 weights on the CPU (the field the scripts' --dtype sets)."""
-    args = Args(model_name_or_path=model_dir, zero_stage=stage, micro_batch_size=2, **overrides)
+    args = make_args(Args, model_name_or_path=model_dir, zero_stage=stage, micro_batch_size=2, **overrides)
     args.dtype = "bfloat16"
     return args
 

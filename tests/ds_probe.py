@@ -18,6 +18,7 @@ import deepspeed  # noqa: E402
 
 from grpo_vanilla import Args  # noqa: E402
 from utils import distributed, models  # noqa: E402
+from utils.engine import make_args  # noqa: E402
 
 
 def train(args, config, rank: int, sizes: list) -> tuple:
@@ -95,7 +96,7 @@ CHECKS = {"load": check_load, "bucket": check_bucket, "bf16": check_bf16}
 def main(modes: str, model_dir: str, stage: int) -> None:
     """The comma-separated checks in turn, in one pair of processes (`load` first: it checks process-wide state)."""
     rank, _, world_size, _, _ = distributed.init_distributed()
-    args = Args(model_name_or_path=model_dir, zero_stage=stage, micro_batch_size=2)
+    args = make_args(Args, model_name_or_path=model_dir, zero_stage=stage, micro_batch_size=2)
     for mode in modes.split(","):
         CHECKS[mode](args, model_dir, rank, world_size)
         dist.barrier()

@@ -15,12 +15,13 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from grpo_vanilla import Args  # noqa: E402
 from utils import distributed  # noqa: E402
+from utils.engine import make_args  # noqa: E402
 from utils.vllm_engine import close_engine, push_weights, start_engine  # noqa: E402
 
 LEFT_OUT, UNKNOWN = "model.layers.1.mlp.down_proj.weight", "model.layers.0.mlp.extra_proj.weight"
 
 distributed.init_distributed()
-args = Args(model_name_or_path=sys.argv[1], zero_stage=2, max_prompt_length=32, max_response_length=32)
+args = make_args(Args, model_name_or_path=sys.argv[1], zero_stage=2, max_prompt_length=32, max_response_length=32)
 args.vllm_kv_cache_memory = 0.25  # GiB: only the weights matter here
 module = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 params = list(module.named_parameters())

@@ -12,6 +12,7 @@ import grpo_klcov as kc
 import grpo_vanilla as gv
 from utils import batching, logprobs, rollouts, tracking
 from utils.data import load_tokenizer, step_prompt_indices
+from utils.engine import make_args
 from utils.sampler import HFSampler, Sample
 
 
@@ -203,9 +204,9 @@ BAD_FLAGS = [
 def test_validate_args_rejects_bad_values_with_the_flag_name(module, bad, message):
     """Every script's start-up check of its own flags (and vanilla's shared ones): VALID passes, each bad value exits
     with a message naming the flag (substring match: the messages hold brackets and parentheses)."""
-    module.validate_args(module.Args(**VALID), 2)
+    module.validate_args(make_args(module.Args, **VALID), 2)
     with pytest.raises(SystemExit) as raised:
-        module.validate_args(module.Args(**{**VALID, **bad}), 2)
+        module.validate_args(make_args(module.Args, **{**VALID, **bad}), 2)
     assert message in str(raised.value), str(raised.value)
 
 
@@ -216,13 +217,13 @@ def test_a_gpu_without_bf16_is_one_line_naming_dtype(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     for dtype in ("auto", "bfloat16"):
         with pytest.raises(SystemExit, match=f"--dtype {dtype}: this GPU has no bf16"):
-            gv.validate_args(gv.Args(**{**VALID, "dtype": dtype}), 2)
-    gv.validate_args(gv.Args(**{**VALID, "dtype": "float32"}), 2)
+            gv.validate_args(make_args(gv.Args, **{**VALID, "dtype": dtype}), 2)
+    gv.validate_args(make_args(gv.Args, **{**VALID, "dtype": "float32"}), 2)
 
 
 def test_kl_cov_accepts_one_mini_batch_with_two_epochs():
     """KL-Cov's check counts updates per rollout batch: 1 mini-batch x 2 epochs is 2 updates, accepted."""
-    kc.validate_args(kc.Args(**{**VALID, "num_mini_batches": 1, "num_epochs": 2}), 2)
+    kc.validate_args(make_args(kc.Args, **{**VALID, "num_mini_batches": 1, "num_epochs": 2}), 2)
 
 
 def test_fixed_number_of_head_calls_gives_the_same_values():

@@ -11,6 +11,7 @@ from launch import ROOT, free_port, run_python
 from grpo_vanilla import Args
 from testbed.common import CPU_ENV
 from utils import models
+from utils.engine import make_args
 
 
 @pytest.mark.launches
@@ -28,8 +29,7 @@ def test_deepspeed_setup(testbed, stage, modes):
 def test_config_by_device(dtype):
     """--dtype: auto is bf16 on GPUs and fp32 on the CPU, the bf16 flag follows the weights' dtype; ZeRO-3 partitions
     every parameter on the CPU only (the tiny test models), a GPU keeps DeepSpeed's persistence threshold."""
-    args = Args(zero_stage=3)
-    args.dtype = dtype  # the field the scripts' --dtype sets
+    args = make_args(Args, zero_stage=3, dtype=dtype)  # the field the scripts' --dtype sets
     for on_gpu in (False, True):
         expected = torch.bfloat16 if dtype == "bfloat16" or (dtype == "auto" and on_gpu) else torch.float32
         config = models.deepspeed_config(args, on_gpu, 1)

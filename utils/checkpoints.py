@@ -17,11 +17,12 @@ import os
 import random
 import shutil
 import sys
-from dataclasses import asdict
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from .engine import flat_args
 
 CHECKSUMS = "checksums.json"
 
@@ -183,7 +184,9 @@ def save(
     if problem is None and rank == 0:
         try:
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                json.dump({"step": step, "method_state": method_state, "consumed": consumed, "args": asdict(args)}, f)
+                json.dump(
+                    {"step": step, "method_state": method_state, "consumed": consumed, "args": flat_args(args)}, f
+                )
         except OSError as e:
             problem = _write_problem(e, tmp)
     problem = _first_problem(problem)

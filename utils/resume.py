@@ -4,12 +4,12 @@ changed training settings). The checkpoints themselves: utils/checkpoints.py."""
 import json
 import os
 import time
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
 from . import checkpoints
+from .engine import flat_args
 
 # settings that may differ on resume: bookkeeping, and layout/memory choices that leave the trajectory unchanged
 RESUME_MAY_CHANGE = {
@@ -84,7 +84,7 @@ def open_run(args, world_size: int, device):
             f"error: --resume {args.resume}: written by {saved_args['world_size']} processes, "
             f"launched with {world_size}; resume with the same number"
         )
-    changed = changed_settings(saved_args, json.loads(json.dumps(asdict(args))))
+    changed = changed_settings(saved_args, json.loads(json.dumps(flat_args(args))))
     if changed and not args.resume_allow_changes:
         raise SystemExit(
             f"error: --resume {args.resume}: settings differ from the checkpoint's: {'; '.join(changed)} "

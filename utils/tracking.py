@@ -5,12 +5,12 @@ import importlib.metadata
 import json
 import os
 import subprocess
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
 from .distributed import gather_ranks
+from .engine import flat_args
 from .ops import quantile
 
 
@@ -155,7 +155,7 @@ class Tracker:
             return
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=2)
+            json.dump(flat_args(args), f, indent=2)
         if resumed_step is not None and os.path.exists(self.path):
             with open(self.path) as f:  # a kill may have cut the last line short
                 kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= resumed_step]
@@ -177,7 +177,7 @@ class Tracker:
                 group=args.wandb_group or args.exp_name,
                 job_type="train",
                 tags=list(dict.fromkeys(tags)),
-                config={**asdict(args), "versions": versions},
+                config={**flat_args(args), "versions": versions},
                 name=args.run_name,
                 id=args.run_name,
                 resume="allow",

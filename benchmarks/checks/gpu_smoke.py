@@ -828,6 +828,7 @@ def in_process(a) -> None:
     import grpo_vanilla as gv
     from benchmarks.experiments.bench_gpu import QWEN25_15B, TINY, build_model_dir
     from utils import batching, distributed, logprobs, models, vllm_engine
+    from utils.engine import make_args
     from utils.sampler import Sampler
 
     def say(line: str) -> None:
@@ -857,7 +858,8 @@ def in_process(a) -> None:
         return free
 
     mbs, n_seqs = sz["mbs"], sz["prompts"] * sz["G"]
-    args = gv.Args(
+    args = make_args(
+        gv.Args,
         model_name_or_path=model_dir,
         max_prompt_length=sz["prompt_len"],
         max_response_length=sz["response_len"],
@@ -1015,6 +1017,7 @@ def long_context(a) -> None:
     import grpo_vanilla as gv
     from benchmarks.experiments.bench_gpu import build_model_dir
     from utils import batching, distributed, logprobs, models, vllm_engine
+    from utils.engine import make_args
 
     def say(line: str) -> None:
         print(f"SMOKE {line}", flush=True)
@@ -1042,7 +1045,8 @@ def long_context(a) -> None:
     )
 
     def args_for(zero_stage: int):
-        return gv.Args(
+        return make_args(
+            gv.Args,
             model_name_or_path=model_dir,
             max_prompt_length=sz["prompt_len"],
             max_response_length=R,

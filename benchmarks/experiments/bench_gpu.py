@@ -126,6 +126,7 @@ def main():
     import grpo_vanilla as gv
     from benchmarks.experiments.bench_logprob_memory import measure as logprob_pass
     from utils import batching, distributed, logprobs, models, vllm_engine
+    from utils.engine import make_args
 
     _, _, _, device, on_gpu = distributed.init_distributed()
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -136,7 +137,8 @@ def main():
     t0 = time.perf_counter()
     model_dir = tempfile.mkdtemp(prefix="bench_gpu_model_")
     build_model_dir(dims, model_dir, dtype)
-    args = gv.Args(
+    args = make_args(
+        gv.Args,
         model_name_or_path=model_dir,
         micro_batch_size=a.micro_batch_size,
         max_prompt_length=a.gen_prompt_len,
@@ -193,8 +195,8 @@ def main():
     budget = a.micro_batch_size * a.seq_len
     layouts = {}
     for packed in (False, True):
-        layout = gv.Args(
-            num_mini_batches=1, micro_batch_size=a.micro_batch_size, max_tokens_per_micro_batch=budget * packed
+        layout = make_args(
+            gv.Args, num_mini_batches=1, micro_batch_size=a.micro_batch_size, max_tokens_per_micro_batch=budget * packed
         )
         groups = batching.micro_batches(sizes, layout, device)[0]
         batches = [

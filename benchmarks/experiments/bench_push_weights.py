@@ -29,6 +29,7 @@ import torch.distributed as dist
 from benchmarks.experiments.bench_gpu import build_model_dir
 from grpo_vanilla import Args
 from utils import distributed, models
+from utils.engine import make_args
 from utils.vllm_engine import close_engine, push_groups, push_weights, start_engine
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -106,8 +107,8 @@ def main():
         if rank == 0:
             build_model_dir(model_dims(a.layers, a.hidden), directory, torch.float32)
         dist.barrier()
-    args = Args(model_name_or_path=directory, zero_stage=a.zero_stage, max_prompt_length=64, max_response_length=64)
-    args.vllm_kv_cache_memory = 0.25  # GiB: only the weights matter here
+    flags = {"zero_stage": a.zero_stage, "max_prompt_length": 64, "max_response_length": 64}
+    args = make_args(Args, model_name_or_path=directory, vllm_kv_cache_memory=0.25, **flags)  # GiB: the weights matter
     policy, _, _ = models.make_policy(args, False, 1, 1)
     sampler = start_engine(args, rank, False, policy)
     params = list(policy.module.named_parameters())
