@@ -37,9 +37,9 @@ LONG = 4096
 
 def bf16_args(model_dir: str, stage: int, **overrides):
     """The scripts' Args with bf16 weights on the CPU (the field the scripts' --dtype sets)."""
-    args = make_args(Args, model_name_or_path=model_dir, zero_stage=stage, micro_batch_size=2, **overrides)
-    args.dtype = "bfloat16"
-    return args
+    return make_args(
+        Args, model_name_or_path=model_dir, zero_stage=stage, micro_batch_size=2, dtype="bfloat16", **overrides
+    )
 
 
 def buffer_mismatches(model, plain: dict) -> list:
@@ -193,6 +193,7 @@ def main(checks: str, model_dir: str) -> None:
     state = {
         "plain_bf16": AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
     }
+    models.fp32_head(state["plain_bf16"])  # the scripts' head (--head-dtype float32): float32 logits from bf16 weights
     exact = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     for exact_p, p in zip(exact.parameters(), state["plain_bf16"].parameters()):
         exact_p.data.copy_(p.data)  # the weights the bf16 engine holds, in fp32

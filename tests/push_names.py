@@ -21,8 +21,8 @@ from utils.vllm_engine import close_engine, push_weights, start_engine  # noqa: 
 LEFT_OUT, UNKNOWN = "model.layers.1.mlp.down_proj.weight", "model.layers.0.mlp.extra_proj.weight"
 
 distributed.init_distributed()
-args = make_args(Args, model_name_or_path=sys.argv[1], zero_stage=2, max_prompt_length=32, max_response_length=32)
-args.vllm_kv_cache_memory = 0.25  # GiB: only the weights matter here
+flags = {"zero_stage": 2, "max_prompt_length": 32, "max_response_length": 32}
+args = make_args(Args, model_name_or_path=sys.argv[1], vllm_kv_cache_memory=0.25, **flags)  # GiB: the weights matter
 module = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 params = list(module.named_parameters())
 llm = start_engine(args, 0, False, SimpleNamespace(module=module))
