@@ -42,6 +42,9 @@ class Args:
     """moving-average window (steps) of the training curves; 1 plots them raw"""
     final_window: int = 10
     """'final' rollout numbers are the mean of the last this many steps, 'best' the max of that moving average"""
+    allow_mixed: bool = False
+    """pool runs that do not belong together (a seed run twice, other datasets, models or lengths) with a warning
+    line for each, instead of refusing them"""
 
 
 def find_runs(patterns, required: bool = True) -> list:
@@ -72,7 +75,45 @@ def read_run(path: str) -> dict:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError:
                     raise SystemExit(f"error: {path}/metrics.jsonl line {number} is not JSON")
-    return {"path": path, "method": args.get("exp_name", name.split("__")[0]), "seed": args.get("seed"), "rows": rows}
+    settings = {k: args.get(k) for k in COMPARABLE}
+    method = args.get("exp_name", name.split("__")[0])
+    return {"path": path, "method": method, "seed": args.get("seed"), "rows": rows, "settings": settings}
+
+
+COMPARABLE = ("dataset", "model_name_or_path", "total_steps")
+"""the settings (args.json) that runs pooled as seeds of one method, or set side by side, must share"""
+
+
+def mixes(groups: dict, baseline: str) -> list:
+    """What makes the runs of `groups` (method -> runs) not comparable, one line each: a method's seed run more than
+    once, a method's runs on other datasets, models or lengths (total steps, or the last step logged), a method whose
+    runs differ in these from the baseline's. Unknown settings (no args.json, a wandb run without them) never count."""
+
+    def values(runs, key):
+        if key == "steps":
+            return {max((row["step"] for row in r["rows"]), default=0) for r in runs}
+        return {r.get("settings", {}).get(key) for r in runs} - {None}
+
+    problems = []
+    for method, runs in groups.items():
+        seeds = [r["seed"] for r in runs if r["seed"] is not None]
+        repeated = sorted({seed for seed in seeds if seeds.count(seed) > 1})
+        if repeated:
+            problems.append(f"{method}: seed {', '.join(map(str, repeated))} run more than once ({len(runs)} runs)")
+        for key in (*COMPARABLE, "steps"):
+            if len(values(runs, key)) > 1:
+                problems.append(
+                    f"{method}: its runs differ in {key} ({', '.join(map(str, sorted(values(runs, key), key=str)))})"
+                )
+    base = groups.get(baseline, [])
+    for method, runs in groups.items():
+        for key in (*COMPARABLE, "steps"):
+            mine, theirs = values(runs, key), values(base, key)
+            if method != baseline and mine and theirs and mine != theirs:
+                problems.append(
+                    f"{method} against {baseline}: {key} {sorted(mine, key=str)} vs {sorted(theirs, key=str)}"
+                )
+    return problems
 
 
 def history_to_rows(history) -> list:
@@ -352,6 +393,14 @@ if __name__ == "__main__":
             runs.append(read_wandb_run(path))
     methods = sorted({r["method"] for r in runs}, key=lambda m: (m != args.baseline, m))  # baseline first
     groups = {m: [r for r in runs if r["method"] == m] for m in methods}
+    problems = mixes(groups, args.baseline)
+    if problems and not args.allow_mixed:
+        raise SystemExit(
+            f"error: these runs do not belong together: {'; '.join(problems)} (pass fewer --runs, or --allow-mixed to "
+            "pool them anyway)"
+        )
+    for problem in problems:
+        print(f"warning: pooled anyway (--allow-mixed): {problem}")
     os.makedirs(args.output_dir, exist_ok=True)
 
     import matplotlib
@@ -452,9 +501,10 @@ if __name__ == "__main__":
             "b": b,
             "ceiling": b - a,
         }
+        distinct = len({r["seed"] for r in groups[m]})
         cells = [
             m,
-            str(len(s)),
+            str(distinct) if distinct == len(s) else f"{distinct} ({len(s)} runs)",
             fmt(col["steps"], 0),
             fmt(col["final_reward"]),
             fmt(col["best_reward"]),

@@ -302,3 +302,44 @@ def test_run_windows_averages_each_metric_over_its_logged_steps():
     out = windows(rows, ["a", "b"], window=3)
     assert [(first, last) for first, last, _ in out] == [(1, 3), (4, 6), (7, 7)]
     assert out[0][2] == {"a": 2.0, "b": 20.0} and out[1][2] == {"a": 5.0, "b": 50.0} and out[2][2]["b"] == 70.0
+
+
+def test_runs_that_do_not_belong_together_are_named():
+    """The mixes a new user's runs/ holds (issue 72): vanilla's seed 1 three times, one of them on the fork testbed,
+    and AEnt's 20 steps against vanilla's 200: each named in its own line; distinct seeds on one setting: none."""
+
+    def run(method, seed, dataset="testbed/train.jsonl", steps=200):
+        rows = [{"step": s} for s in range(1, steps + 1)]
+        settings = {"dataset": dataset, "model_name_or_path": "testbed/model", "total_steps": steps}
+        return {"path": f"{method}_{seed}", "method": method, "seed": seed, "rows": rows, "settings": settings}
+
+    from benchmarks.compare import mixes
+
+    vanilla = [run("grpo_vanilla", 1), run("grpo_vanilla", 1), run("grpo_vanilla", 1, "testbed/fork/train.jsonl")]
+    problems = mixes({"grpo_vanilla": vanilla, "grpo_aent": [run("grpo_aent", 1, steps=20)]}, "grpo_vanilla")
+    assert "grpo_vanilla: seed 1 run more than once (3 runs)" in problems
+    assert any(p.startswith("grpo_vanilla: its runs differ in dataset") for p in problems), problems
+    assert any(p.startswith("grpo_aent against grpo_vanilla: total_steps [20] vs [200]") for p in problems), problems
+    assert any(p.startswith("grpo_aent against grpo_vanilla: steps [20] vs [200]") for p in problems), problems
+    fine = {"grpo_vanilla": [run("grpo_vanilla", s) for s in (1, 2, 3)], "grpo_aent": [run("grpo_aent", 1)]}
+    assert mixes(fine, "grpo_vanilla") == []
+    unknown = {"grpo_vanilla": [{"seed": 1, "rows": [{"step": 5}]}], "x": [{"seed": 2, "rows": [{"step": 5}]}]}
+    assert mixes(unknown, "grpo_vanilla") == []  # no args.json: nothing to tell, nothing refused
+
+
+@pytest.mark.launches
+def test_compare_refuses_repeated_seeds_unless_told(tmp_path):
+    """One line naming the mix, not a table of 3 'seeds' that are one; with --allow-mixed a warning line and the
+    table's seeds column counts distinct seeds."""
+    runs = tmp_path / "runs"
+    for stamp in ("1700000001", "1700000002"):
+        path = write_run(runs, "grpo_vanilla", 1, 0.1)
+        os.rename(path, path.replace("1700000000", stamp))
+    proc = run_compare("--runs", str(runs / "*"), "--output-dir", str(tmp_path / "out"))
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith(
+        "error: these runs do not belong together: grpo_vanilla: seed 1 run more than once (2 runs)"
+    ), proc.stderr[-2000:]
+    proc = run_compare("--runs", str(runs / "*"), "--output-dir", str(tmp_path / "out"), "--allow-mixed")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "warning: pooled anyway (--allow-mixed): grpo_vanilla: seed 1 run more than once" in proc.stdout
+    assert "| grpo_vanilla | 1 (2 runs) |" in (tmp_path / "out" / "compare.md").read_text()
