@@ -44,7 +44,7 @@ test: venv
 
 # the developer's loop: the tests that launch no script and start no engine, all but those marked `launches`
 # (tests/conftest.py, whose guard fails an unmarked test that launches): 515 tests in 38 s on 2 idle cores (make test:
-# 673 in 12.5 minutes); CI runs make test, every test
+# 675 in 10.5-12.5 minutes); CI runs make test, every test
 test-fast: venv
 	$(CPU_ENV) $(PY) -m pytest -x -q -n 2 --dist loadgroup -m "not launches" tests
 
