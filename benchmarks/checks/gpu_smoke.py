@@ -605,6 +605,12 @@ def peak_gib(res: Result) -> float:
     return peaks[-1] if peaks else math.nan
 
 
+def mean_step_time(rows: list) -> float:
+    """A run's mean time/step after step 1 (its engine starts and compiles there), or step 1's alone."""
+    timed = rows[1:] or rows
+    return sum(r["time/step"] for r in timed) / len(timed)
+
+
 def head_check(s: Smoke) -> list:
     """--head-dtype: --steps steps of grpo_vanilla.py with vLLM, both heads float32 (the default) and both in the
     weights' dtype (bf16; on a CPU --dtype bfloat16): the sampler's log-probs against the trainer's (mean and largest
@@ -621,7 +627,7 @@ def head_check(s: Smoke) -> list:
             "gap": sum(r["rollout/vllm_logprob_gap"] for r in rows) / len(rows),
             "max": max(r["rollout/vllm_logprob_gap_max"] for r in rows),
             "kl": sum(r["rollout/vllm_mismatch_kl"] for r in rows) / len(rows),
-            "step": sum(r["time/step"] for r in rows[1:] or rows) / len(rows[1:] or rows),
+            "step": mean_step_time(rows),
             "peak": peak_gib(res),
         }
     text = "; ".join(
@@ -645,10 +651,10 @@ def determinism_check(s: Smoke) -> list:
     (on, peak_on), (again, _), (off, peak_off) = runs["on"], runs["again"], runs["off"]
     untimed = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "charts/"))} for r in rows]  # noqa: E731
     differ = sorted({k for a, b in zip(untimed(on), untimed(again)) for k in a if a[k] != b.get(k)})
-    step = lambda rows: sum(r["time/step"] for r in rows[1:] or rows) / len(rows[1:] or rows)  # noqa: E731
     changed = sum(a != b for a, b in zip(untimed(on), untimed(off)))  # the switch's kernels round otherwise
     cost = (
-        f"step {step(on):.2f} s with it, {step(off):.2f} s without (x{step(on) / step(off):.2f}); peak "
+        f"step {mean_step_time(on):.2f} s with it, {mean_step_time(off):.2f} s without "
+        f"(x{mean_step_time(on) / mean_step_time(off):.2f}); peak "
         f"{peak_on:.2f} / {peak_off:.2f} GiB; the metrics without it differ in {changed} of {len(on)} steps"
     )
     if differ or len(on) != len(again):

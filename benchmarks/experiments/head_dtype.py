@@ -23,6 +23,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import tyro
 
+from benchmarks.compare import fmt_ci, mean_ci
+from testbed.common import CPU_ENV
+from testbed.ports import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SETTINGS = {  # name: (the trainer's head, the sampler's head)
     "both model": ("model", "model"),
@@ -97,10 +101,6 @@ def one_run(testbed: str, setting: str, seed: int, steps: int, out: str) -> dict
     trainer, sampler = SETTINGS[setting]
     run_out = os.path.join(out, testbed, setting.replace(" ", "_"), f"seed{seed}")
     os.makedirs(run_out, exist_ok=True)
-    sys.path.insert(0, ROOT)
-    from testbed.common import CPU_ENV
-    from testbed.ports import free_port
-
     argv = ["grpo_vanilla.py", "--output-dir", run_out, "--seed", str(seed), "--head-dtype", trainer]
     argv += testbed_flags(testbed, steps)
     env = {**os.environ, **CPU_ENV, "MASTER_PORT": str(free_port())}
@@ -127,9 +127,8 @@ def one_run(testbed: str, setting: str, seed: int, steps: int, out: str) -> dict
     return result
 
 
-def mean_ci(values: list) -> str:
-    from benchmarks.compare import fmt_ci, mean_ci
-
+def cell(values: list) -> str:
+    """A table cell: mean ± 95% t half-width over the seeds (benchmarks/compare.py's), small values in e-notation."""
     mean, half = mean_ci(values)
     if abs(mean) >= 1e-2:
         return fmt_ci(mean, half, 2 if abs(mean) >= 0.1 else 3)
@@ -148,7 +147,7 @@ def main(args: Args) -> str:
         lines.append("|" + " --- |" * (len(columns) + 1))
         for setting in args.settings:
             runs = [one_run(testbed, setting, seed, args.steps, args.out) for seed in args.seeds]
-            lines.append(f"| {setting} | " + " | ".join(mean_ci([r[c] for r in runs]) for c in columns) + " |")
+            lines.append(f"| {setting} | " + " | ".join(cell([r[c] for r in runs]) for c in columns) + " |")
     table = "\n".join(lines)
     with open(os.path.join(args.out, "head_dtype.md"), "w") as f:
         f.write(table + "\n")
